@@ -1,0 +1,95 @@
+"""The ``kvops`` entry point and the single error boundary of the CLI.
+
+Each command module under ``kvops.ops.cli`` exposes ``register(app)``; importing them must stay
+cheap (no vLLM, no torch) so that ``kvops --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import click
+import typer
+from typer.core import TyperGroup
+
+from kvops import __version__
+from kvops.ops.errors import EXIT_ERROR, KvopsError
+
+# One line per command module; each defines register(app: typer.Typer) -> None.
+COMMAND_MODULES: tuple[str, ...] = (
+    "model",
+    "doctor",
+)
+
+
+class KvopsGroup(TyperGroup):
+    """Turns every KvopsError into a one-line message and its exit code (STYLE rule 5)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KvopsError as exc:
+            _report(exc)
+            ctx.exit(exc.exit_code)
+        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort):
+            raise
+        except KeyboardInterrupt:
+            click.echo("kvops: interrupted", err=True)
+            ctx.exit(130)
+        except Exception as exc:  # the boundary: anything else is our bug
+            if os.environ.get("KVOPS_DEBUG") == "1":
+                raise
+            click.echo(
+                f"kvops: internal error: {type(exc).__name__}: {exc} "
+                "(rerun with KVOPS_DEBUG=1 for a traceback)",
+                err=True,
+            )
+            ctx.exit(EXIT_ERROR)
+
+
+def _report(exc: KvopsError) -> None:
+    if os.environ.get("KVOPS_DEBUG") == "1":
+        import traceback
+
+        traceback.print_exception(exc)
+    message = " ".join(str(exc).split("\n")).strip()
+    click.echo(f"kvops: {message}", err=True)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        click.echo(f"kvops {__version__}")
+        raise typer.Exit()
+
+
+def build_app() -> typer.Typer:
+    app = typer.Typer(
+        cls=KvopsGroup,
+        name="kvops",
+        help="KV-cache operations for vLLM: plan, verify, calibrate, diagnose, load-test.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+
+    @app.callback()
+    def _root(
+        version: bool = typer.Option(
+            False, "--version", callback=_version_callback, is_eager=True, help="Print the version."
+        ),
+    ) -> None:
+        """KV-cache operations for vLLM."""
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"kvops.ops.cli.{name}").register(app)
+    return app
+
+
+app = build_app()
+
+
+def main() -> None:
+    app()
