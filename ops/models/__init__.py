@@ -1,0 +1,1 @@
+"""Model artefacts kvops builds itself (no hub access exists on these machines)."""

@@ -1,0 +1,90 @@
+"""kvops settings as ``vllm serve`` receives them, validated before the engine starts.
+
+Settings arrive as ``--additional-config '{"kvops": {...}}'``; ``{"kvops": {"config": "kvops.yaml"}}``
+names a YAML file holding the same mapping, and inline keys override the file's. Unknown keys
+are errors that name the key and where it came from. This module imports only pydantic and
+yaml, so the ops CLI can write and check kvops.yaml without vLLM.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kvops.plugin.errors import KvopsPluginError
+
+ADDITIONAL_CONFIG_KEY = "kvops"
+
+
+class KvopsSettings(BaseModel):
+    """Everything the plugin can be told. Each feature owns one optional section."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    config: str | None = None
+    """Path of a kvops.yaml whose mapping is merged under the inline keys."""
+
+    def features(self) -> tuple[str, ...]:
+        """Names of the features these settings switch on, for metrics and logs."""
+        return ()
+
+
+def parse_settings(raw: Any, source: str) -> KvopsSettings:
+    """Validate one mapping; ``source`` names where it came from in error messages."""
+    if not isinstance(raw, dict):
+        raise KvopsPluginError(
+            f"{source}: expected a mapping of kvops settings, got {type(raw).__name__}"
+        )
+    try:
+        return KvopsSettings.model_validate(raw)
+    except ValidationError as exc:
+        raise KvopsPluginError(f"{source}: {_first_error(exc)}") from None
+
+
+def load_settings(additional_config: dict[str, Any] | None) -> KvopsSettings | None:
+    """Settings from vLLM's additional_config, or None when kvops is not configured."""
+    if not additional_config or ADDITIONAL_CONFIG_KEY not in additional_config:
+        return None
+    inline = additional_config[ADDITIONAL_CONFIG_KEY]
+    source = "--additional-config kvops"
+    if inline is None:
+        return None
+    settings = parse_settings(inline, source)
+    if settings.config is None:
+        return settings
+    merged = {**_read_yaml(Path(settings.config)), **inline}
+    return parse_settings(merged, f"{source} + {settings.config}")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise KvopsPluginError(
+            f"kvops config file {str(path)!r} not found: fix the path in "
+            '--additional-config \'{"kvops": {"config": ...}}\' (relative paths are from the '
+            "server's working directory)"
+        )
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise KvopsPluginError(f"{path}: not valid YAML ({_one_line(str(exc))})") from None
+    if not isinstance(data, dict):
+        raise KvopsPluginError(f"{path}: expected a mapping of kvops settings at the top level")
+    if "config" in data:
+        raise KvopsPluginError(f"{path}: 'config' may not name another file from inside one")
+    return data
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(part) for part in err["loc"]) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        allowed = ", ".join(sorted(KvopsSettings.model_fields))
+        return f"unknown key {where!r} (known keys: {allowed})"
+    return f"{where}: {err['msg']}"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

@@ -1,0 +1,36 @@
+"""Front-end metrics of the plugin, fed by vLLM's stat-logger plugin hook.
+
+vLLM builds stat loggers in the API-server process (vllm/v1/metrics/loggers.py,
+``load_stat_logger_plugin_factories``) with the final VllmConfig, and calls ``record`` with
+the scheduler's stats every step: the one place where the front end sees engine state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+
+from kvops.plugin.hooks import settings_of
+from kvops.plugin.metrics import publish_info
+
+
+class KvopsStatLogger(AggregateStatLoggerBase):
+    """Publishes ``kvops_info`` once; later features read scheduler stats here."""
+
+    def __init__(self, vllm_config: Any, engine_indexes: list[int]) -> None:
+        self.vllm_config = vllm_config
+        self.engine_indexes = engine_indexes
+        publish_info(vllm_config, settings_of(vllm_config))
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        return None
+
+    def log_engine_initialized(self) -> None:
+        return None
