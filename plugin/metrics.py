@@ -9,9 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvops import __version__
-from kvops.plugin.settings import KvopsSettings
-
-KNOWN_FEATURES: tuple[str, ...] = ("fp8_scales", "offload", "admission")
+from kvops.plugin.settings import FEATURE_FIELDS, KvopsSettings
 
 _METRICS: dict[str, Any] = {}
 
@@ -55,7 +53,7 @@ def publish_info(vllm_config: Any, settings: KvopsSettings | None) -> None:
         "kvops_feature_enabled", "Whether a kvops feature is switched on (1) or not (0)",
         ("feature",),
     )
-    for feature in KNOWN_FEATURES:
+    for feature in FEATURE_FIELDS:
         enabled.labels(feature=feature).set(1 if feature in features else 0)
 
 

@@ -19,8 +19,16 @@ from kvops.plugin.errors import KvopsPluginError
 ADDITIONAL_CONFIG_KEY = "kvops"
 
 
+# feature name (as kvops_info reports it) -> the settings field that switches it on
+FEATURE_FIELDS: dict[str, str] = {
+    "fp8_scales": "kv_scales",
+    "offload": "offload",
+    "admission": "admission",
+}
+
+
 class KvopsSettings(BaseModel):
-    """Everything the plugin can be told. Each feature owns one optional section."""
+    """Everything the plugin can be told. Each feature owns one optional field/section."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -29,7 +37,9 @@ class KvopsSettings(BaseModel):
 
     def features(self) -> tuple[str, ...]:
         """Names of the features these settings switch on, for metrics and logs."""
-        return ()
+        return tuple(
+            name for name, field in FEATURE_FIELDS.items() if getattr(self, field, None) is not None
+        )
 
 
 def parse_settings(raw: Any, source: str) -> KvopsSettings:

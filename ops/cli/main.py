@@ -21,6 +21,7 @@ from kvops.ops.errors import EXIT_ERROR, KvopsError
 COMMAND_MODULES: tuple[str, ...] = (
     "model",
     "doctor",
+    "bench",
 )
 
 

