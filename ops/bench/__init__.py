@@ -1,5 +1,1 @@
-"""Self-contained measurements against real local servers (``kvops bench NAME --json``).
-
-Each module here exposes ``run(**options) -> dict`` returning the JSON object whose keys
-DESIGN.md fixes: ratios measured side by side in one run, plus the raw figures.
-"""
+"""Self-contained measurements behind `kvops bench NAME --json`."""

@@ -34,14 +34,14 @@ def _ssm_bytes(cfg: Mapping[str, Any], model_dtype: str, override: str | None) -
         name = model_dtype
     if name not in MODEL_DTYPE_BYTES:
         raise BadInputError(f"mamba SSM dtype {name!r} is not one of {sorted(MODEL_DTYPE_BYTES)}")
-    return MODEL_DTYPE_BYTES[str(name)]
+    return int(MODEL_DTYPE_BYTES[str(name)])
 
 
 def mamba_layer_bytes(
     cfg: Mapping[str, Any], kind: str, tp: int, model_dtype: str, ssm_dtype: str | None
 ) -> int:
     """Unpadded page of one mamba layer: Σ prod(shape) × dtype bytes over (conv, ssm)."""
-    conv_bytes = MODEL_DTYPE_BYTES[model_dtype]
+    conv_bytes = int(MODEL_DTYPE_BYTES[model_dtype])
     ssm_bytes = _ssm_bytes(cfg, model_dtype, ssm_dtype)
     if kind == "gdn":
         k_heads, v_heads = _get(cfg, "linear_num_key_heads"), _get(cfg, "linear_num_value_heads")

@@ -112,10 +112,10 @@ def kv_dtype_bytes(kv_cache_dtype: str, dtype: str) -> int:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise BadInputError(f"--kv-cache-dtype {kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
     if kv_cache_dtype == "auto":
-        return MODEL_DTYPE_BYTES[dtype]
+        return int(MODEL_DTYPE_BYTES[dtype])
     if kv_cache_dtype == "fp8_ds_mla":
         return 1
-    return KV_DTYPE_BYTES[kv_cache_dtype]
+    return int(KV_DTYPE_BYTES[kv_cache_dtype])
 
 
 def total_kv_heads(cfg: Mapping[str, Any]) -> int:

@@ -1,0 +1,252 @@
+"""vLLM 0.32's KV allocator arithmetic, reproduced without vLLM.
+
+The steps and their sources (``vllm/`` relative): block size from the platform and, for
+attention+mamba hybrids, raised until one attention page holds a mamba state
+(platforms/interface.py ``_align_hybrid_block_size``); layers grouped so every group has the same
+number of layer slots (v1/core/kv_cache_utils.py ``get_kv_cache_groups``); ``bytes_per_block`` =
+the widest group; ``num_blocks = available // bytes_per_block``; a request at max_model_len takes
+Σ over groups of that group's blocks, and the logged "KV cache size" is
+``int(num_blocks / blocks_per_request × max_model_len)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kvops.ops.capacity.constants import (
+    CPU_MLA_BLOCK_SIZE,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS_FALLBACK,
+    GIB,
+    KERNEL_BLOCK_ALIGNMENT,
+    MLA_HYBRID_BLOCK_ALIGNMENT,
+)
+from kvops.ops.capacity.model import LayerKV, ModelKV
+from kvops.ops.errors import BadInputError
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+@dataclass(frozen=True)
+class SizingFlags:
+    """The vLLM flags that change sizing; defaults are vLLM 0.32's for the device."""
+
+    max_model_len: int
+    device: str = "cuda"
+    block_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    async_scheduling: bool | None = None  # None: on for cuda, off for cpu (platforms/cpu.py)
+    pipeline_parallel_size: int = 1
+    mamba_cache_mode: str = "align"  # "align" when prefix caching is on (the default)
+
+    @property
+    def max_in_flight_tokens(self) -> int:
+        """config/vllm.py: concurrent batches × max_num_batched_tokens (V1 model runner)."""
+        is_async = self.device == "cuda" if self.async_scheduling is None else self.async_scheduling
+        pp = self.pipeline_parallel_size
+        batches = 2 if is_async and pp <= 1 else pp
+        mnbt = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS_FALLBACK
+        return batches * mnbt
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One layer's spec after block-size resolution (the fields vLLM's equality looks at)."""
+
+    kind: str
+    block_size: int
+    page_bytes: int
+    bytes_per_token: int = 0
+    window: int | None = None
+    checkpoint_blocks: int = 0
+
+    def blocks_per_request(self, flags: SizingFlags) -> int:
+        """cdiv(max_memory_usage_bytes, page_size_bytes) for this spec (kv_cache_interface.py)."""
+        mml, bs = flags.max_model_len, self.block_size
+        if self.kind == "sliding":
+            assert self.window is not None
+            return cdiv(min(self.window - 1 + flags.max_in_flight_tokens, mml), bs) + 1
+        if self.kind == "chunked":
+            assert self.window is not None
+            return cdiv(min(self.window + flags.max_in_flight_tokens, mml), bs)
+        if self.kind == "mamba":
+            return 2 + self.checkpoint_blocks if flags.mamba_cache_mode == "align" else 1
+        return cdiv(mml, bs)
+
+
+@dataclass(frozen=True)
+class Group:
+    kind: str
+    layers: tuple[int, ...]
+    slots: int  # layer slots incl. padding = the group size
+    spec: Spec
+    blocks_per_request: int
+    bytes_per_block: int  # Σ of its layers' pages
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """What vLLM would compute for one rank with ``available_bytes`` of KV memory."""
+
+    available_bytes: int
+    block_size: int
+    bytes_per_block: int
+    num_blocks: int
+    blocks_per_request: int
+    max_concurrency: float
+    kv_cache_size_tokens: int
+    max_model_len: int
+    groups: tuple[Group, ...]
+    max_in_flight_tokens: int
+    mamba_page_padded_bytes: int | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "bytes_per_block": self.bytes_per_block,
+            "kv_cache_size_tokens": self.kv_cache_size_tokens,
+            "max_concurrency": self.max_concurrency,
+            "max_model_len": self.max_model_len,
+            "available_kv_bytes": self.available_bytes,
+            "usable_blocks": self.num_blocks - 1,
+            "blocks_per_request": self.blocks_per_request,
+            "max_in_flight_tokens": self.max_in_flight_tokens,
+            "mamba_page_padded_bytes": self.mamba_page_padded_bytes,
+            "groups": [
+                {"kind": g.kind, "layers": list(g.layers), "slots": g.slots,
+                 "block_size": g.spec.block_size, "page_bytes": g.spec.page_bytes,
+                 "blocks_per_request": g.blocks_per_request}
+                for g in self.groups
+            ],
+            "log_line": (f"KV cache size: {self.kv_cache_size_tokens:,} tokens, Maximum concurrency "
+                         f"for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"),
+        }
+
+
+def resolve_block_size(model: ModelKV, flags: SizingFlags) -> tuple[int, int | None]:
+    """(attention block size, padded mamba page or None) as the platform resolves them."""
+    if flags.device not in DEFAULT_BLOCK_SIZE:
+        raise BadInputError(f"--device {flags.device!r}: use one of {', '.join(DEFAULT_BLOCK_SIZE)}")
+    if flags.device == "cpu" and model.use_mla:
+        bs = CPU_MLA_BLOCK_SIZE  # platforms/cpu.py forces 16 for the CPU MLA backend
+    else:
+        bs = flags.block_size or DEFAULT_BLOCK_SIZE[flags.device]
+    if bs < 1:
+        raise BadInputError(f"--block-size must be >= 1, got {bs}")
+    mamba_pages = [layer.state_bytes for layer in model.layers if layer.kind == "mamba"]
+    if not mamba_pages or not any(layer.kind != "mamba" for layer in model.layers):
+        return bs, None
+    mamba_page, per_token = max(mamba_pages), model.attn_bytes_per_token_1
+    kernel = KERNEL_BLOCK_ALIGNMENT[flags.device]
+    align = max(kernel, bs)
+    if model.use_mla:
+        align = max(align, MLA_HYBRID_BLOCK_ALIGNMENT)
+    attn_bs = kernel * cdiv(align * cdiv(mamba_page, align * per_token), kernel)
+    bs = max(bs, attn_bs)
+    attn_page = bs * per_token
+    return bs, (attn_page if attn_page != mamba_page else None)
+
+
+def _layer_spec(layer: LayerKV, bs: int, mamba_padded: int | None) -> Spec:
+    if layer.kind == "mamba":
+        return Spec("mamba", bs, mamba_padded or layer.state_bytes,
+                    checkpoint_blocks=layer.checkpoint_blocks)
+    return Spec(layer.kind, bs, bs * layer.bytes_per_token, layer.bytes_per_token, layer.window)
+
+
+def _unify_pages(specs: list[Spec]) -> list[Spec]:
+    """unify_kv_cache_spec_page_size: bigger blocks by integer ratio, else pad (not MLA)."""
+    top = max(s.page_bytes for s in specs)
+    out = []
+    for s in specs:
+        if s.page_bytes == top:
+            out.append(s)
+        elif s.kind == "mamba":
+            out.append(replace(s, page_bytes=top))
+        elif top % s.page_bytes == 0:
+            ratio = top // s.page_bytes
+            out.append(replace(s, block_size=s.block_size * ratio, page_bytes=top))
+        elif s.kind != "mla":
+            out.append(replace(s, page_bytes=top))
+        else:
+            raise BadInputError("MLA layer pages cannot be unified with the other layers' pages")
+    return out
+
+
+def build_groups(model: ModelKV, specs: list[Spec], flags: SizingFlags) -> list[Group]:
+    """get_kv_cache_groups for the layer-outermost layout every standard backend uses."""
+    indices = [layer.index for layer in model.layers]
+    if len(set(specs)) == 1:
+        s = specs[0]
+        return [Group(s.kind, tuple(indices), len(specs), s, s.blocks_per_request(flags),
+                      len(specs) * s.page_bytes)]
+    kinds = {(s.kind, s.window, s.block_size, s.checkpoint_blocks) for s in specs}
+    if len(kinds) == 1 and specs[0].kind != "mamba":  # UniformTypeKVCacheSpecs: one group
+        s = max(specs, key=lambda x: x.page_bytes)
+        merged = replace(s, page_bytes=sum(x.page_bytes for x in specs))
+        return [Group(s.kind, tuple(indices), len(specs), merged, s.blocks_per_request(flags),
+                      merged.page_bytes)]
+    specs = _unify_pages(specs)
+    buckets: dict[Spec, list[int]] = {}
+    for index, spec in zip(indices, specs, strict=True):
+        buckets.setdefault(spec, []).append(index)
+    sizes = [len(v) for v in buckets.values()]
+    group_size = max(sizes) if max(sizes) < min(sizes) * 1.5 else min(sizes)
+    groups = []
+    for spec, members in buckets.items():
+        num_groups = cdiv(len(members), group_size)
+        for i in range(num_groups):
+            layers = tuple(members[i::num_groups])
+            groups.append(Group(spec.kind, layers, group_size, spec,
+                                spec.blocks_per_request(flags), len(layers) * spec.page_bytes))
+    return groups
+
+
+def kv_capacity(model: ModelKV, available_bytes: int, flags: SizingFlags) -> KVCapacity:
+    """num_blocks, max_concurrency and the logged token count for one rank."""
+    if flags.max_model_len < 1:
+        raise BadInputError(f"--max-model-len must be >= 1, got {flags.max_model_len}")
+    if flags.max_num_batched_tokens is not None and flags.max_num_batched_tokens < 1:
+        raise BadInputError("--max-num-batched-tokens must be >= 1")
+    bs, mamba_padded = resolve_block_size(model, flags)
+    specs = [_layer_spec(layer, bs, mamba_padded) for layer in model.layers]
+    groups = build_groups(model, specs, flags)
+    bytes_per_block = max(g.bytes_per_block for g in groups)
+    per_request = sum(g.blocks_per_request for g in groups)
+    check_enough_memory(available_bytes, bytes_per_block, groups, flags)
+    num_blocks = available_bytes // bytes_per_block
+    concurrency = num_blocks / per_request
+    return KVCapacity(
+        available_bytes=available_bytes, block_size=bs, bytes_per_block=bytes_per_block,
+        num_blocks=num_blocks, blocks_per_request=per_request, max_concurrency=concurrency,
+        kv_cache_size_tokens=int(concurrency * flags.max_model_len),
+        max_model_len=flags.max_model_len, groups=tuple(groups),
+        max_in_flight_tokens=flags.max_in_flight_tokens, mamba_page_padded_bytes=mamba_padded,
+    )
+
+
+def check_enough_memory(available: int, bytes_per_block: int, groups: list[Group], flags: SizingFlags) -> None:
+    """_check_enough_kv_cache_memory against available − one null block, with vLLM's estimate."""
+    usable = available - bytes_per_block
+    if usable <= 0:
+        raise BadInputError(
+            f"KV memory {available} B holds no block beyond the null block ({bytes_per_block} B "
+            "per block); raise --kv-cache-memory-bytes / gpu_memory_utilization")
+    needed = bytes_per_block * sum(g.blocks_per_request for g in groups)
+    if needed <= usable:
+        return
+    lo, hi, best = 1, flags.max_model_len, 0
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        probe = replace(flags, max_model_len=mid)
+        if bytes_per_block * sum(g.spec.blocks_per_request(probe) for g in groups) <= usable:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    raise BadInputError(
+        f"--max-model-len {flags.max_model_len} needs {needed / GIB:.2f} GiB of KV for one request "
+        f"but {usable / GIB:.2f} GiB is available; the largest max_model_len that fits is {best}")
