@@ -21,7 +21,9 @@ from kvops.ops.errors import EXIT_ERROR, KvopsError
 COMMAND_MODULES: tuple[str, ...] = (
     "model",
     "doctor",
+    "capacity",
     "bench",
+    "demo",
 )
 
 

@@ -1,0 +1,56 @@
+"""``kvops bench planner``: agreement with vLLM's allocator, and plan time vs importing vLLM.
+
+The comparison runs in a subprocess that imports vLLM (the planner itself never does), over the
+fixture configs × budgets × max_model_len × kv dtypes, and counts exact (num_blocks, tokens,
+concurrency) agreements.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_ORACLE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import test_capacity_oracle as t
+o, exact, total = t.Oracle(), 0, 0
+for path in t.FIXTURE_FILES:
+    cfg = json.loads(path.read_text()); cfg.setdefault("torch_dtype", "bfloat16")
+    for budget in t.BUDGETS:
+        for mml in (4096, 32000):
+            for kv in ("auto", "fp8"):
+                case = {"budget": budget, "mml": mml, "tp": 1, "kv": kv, "device": "cuda", "mnbt": 2048}
+                total += 1
+                exact += o.run(cfg, case) == t.ours(cfg, case)
+print(json.dumps({"exact_cases": exact, "total_cases": total}))
+"""
+
+
+def _repo_tests() -> Path:
+    return Path(__file__).resolve().parents[2] / "tests" / "ops"
+
+
+def _time_plan() -> float:
+    start = time.perf_counter()
+    subprocess.run([str(Path(sys.executable).parent / "kvops"), "kv-capacity", "--config",
+                    str(_repo_tests().parents[1] / "../shared/fixtures/model-configs/meta-llama--Meta-Llama-3.1-8B.json"),
+                    "--kv-cache-memory-bytes", str(20 << 30), "--max-model-len", "8192", "--json"],
+                   check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def run() -> dict[str, Any]:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import vllm.v1.core.kv_cache_utils"], check=True, capture_output=True)
+    import_s = time.perf_counter() - start
+    plan_s = _time_plan()
+    out = subprocess.run([sys.executable, "-c", _ORACLE, str(_repo_tests())], check=True,
+                         capture_output=True, text=True)
+    agreement = json.loads(out.stdout.strip().splitlines()[-1])
+    return {**agreement, "plan_seconds": plan_s, "import_vllm_seconds": import_s,
+            "speed_ratio": plan_s / import_s}

@@ -1,0 +1,106 @@
+"""Read what a live server decided (its startup log line or ``vllm:cache_config_info``) and
+compare it with a planner result; say which term explains a difference.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvops.ops.errors import BadInputError, KvopsError
+
+# v1/core/kv_cache_utils.py update_kv_cache_capacity (one line since 0.2x; "GPU" or "CPU").
+LOG_LINE = re.compile(
+    r"(?P<dev>[A-Z]+(?: \+ host)?) KV cache size: (?P<tokens>[\d,]+) tokens, Maximum concurrency "
+    r"for (?P<mml>[\d,]+) tokens per request: (?P<conc>[\d.]+)x")
+INFO_LINE = re.compile(r"^vllm:cache_config_info\{(?P<labels>.*)\}\s", re.MULTILINE)
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the server reports; fields it does not report are None."""
+
+    kv_cache_size_tokens: int
+    max_concurrency: float | None = None
+    max_model_len: int | None = None
+    num_blocks: int | None = None
+    block_size: int | None = None
+    source: str = ""
+
+
+def parse_log(text: str) -> Observed:
+    matches = list(LOG_LINE.finditer(text))
+    if not matches:
+        raise BadInputError("log has no 'KV cache size: N tokens, Maximum concurrency ...' line; "
+                            "pass the server's startup log")
+    m = matches[-1]
+    return Observed(
+        kv_cache_size_tokens=int(m["tokens"].replace(",", "")), max_concurrency=float(m["conc"]),
+        max_model_len=int(m["mml"].replace(",", "")), source="log")
+
+
+def _opt_int(labels: dict[str, str], key: str) -> int | None:
+    value = labels.get(key)
+    return int(value) if value not in (None, "None", "") and str(value).isdigit() else None
+
+
+def parse_metrics(text: str) -> Observed:
+    m = INFO_LINE.search(text)
+    if not m:
+        raise BadInputError("no vllm:cache_config_info in /metrics; is this a vLLM server?")
+    labels = dict(LABEL.findall(m["labels"]))
+    tokens = _opt_int(labels, "kv_cache_size_tokens")
+    if tokens is None:
+        raise BadInputError("vllm:cache_config_info has no kv_cache_size_tokens label (vLLM < 0.2x?)")
+    conc = labels.get("kv_cache_max_concurrency")
+    return Observed(
+        kv_cache_size_tokens=tokens,
+        max_concurrency=float(conc) if conc not in (None, "None", "") else None,
+        num_blocks=_opt_int(labels, "num_gpu_blocks"), block_size=_opt_int(labels, "block_size"),
+        source="metrics")
+
+
+def fetch_metrics(url: str, timeout_s: float = 10.0) -> str:
+    import requests
+
+    target = url.rstrip("/") + ("" if url.rstrip("/").endswith("/metrics") else "/metrics")
+    try:
+        response = requests.get(target, timeout=timeout_s)
+        response.raise_for_status()
+    except requests.RequestException as exc:
+        raise KvopsError(f"cannot read {target}: {exc}; check --url") from None
+    return response.text
+
+
+def compare(expected: dict[str, Any], observed: Observed) -> dict[str, Any]:
+    """Field-by-field comparison; ``explanation`` names the term that accounts for a gap."""
+    fields = {"kv_cache_size_tokens": observed.kv_cache_size_tokens,
+              "num_blocks": observed.num_blocks, "block_size": observed.block_size}
+    diffs = {k: {"expected": expected.get(k), "observed": v} for k, v in fields.items()
+             if v is not None and expected.get(k) is not None and expected.get(k) != v}
+    conc = expected.get("max_concurrency")
+    if observed.max_concurrency is not None and isinstance(conc, float):
+        digits = 2 if observed.source == "log" else 6
+        if round(conc, digits) != round(observed.max_concurrency, digits):
+            diffs["max_concurrency"] = {"expected": conc, "observed": observed.max_concurrency}
+    return {"match": not diffs, "source": observed.source, "differences": diffs,
+            "explanation": _explain(expected, observed, diffs)}
+
+
+def _explain(expected: dict[str, Any], observed: Observed, diffs: dict[str, Any]) -> str:
+    if not diffs:
+        return "the server's KV sizing equals the plan"
+    if "block_size" in diffs:
+        return "block size differs: pass --block-size/--device as the server ran"
+    if observed.num_blocks is not None and "num_blocks" not in diffs:
+        return "same blocks, different per-request blocks: max_model_len, max_num_batched_tokens, async scheduling or mamba cache mode differ"
+    bpb = expected.get("bytes_per_block")
+    tokens = expected.get("kv_cache_size_tokens")
+    if isinstance(bpb, int) and isinstance(tokens, int) and tokens:
+        gap = (observed.kv_cache_size_tokens - tokens) / tokens
+        return (f"capacity differs by {gap:+.2%}: the available KV bytes differ (non-KV terms: weights, "
+                "activation peak, non-torch, CUDA graphs, or gpu_memory_utilization); "
+                "write a calibration with --calibration-out and plan with --calibration")
+    return "capacity differs: available KV bytes or per-request blocks differ"

@@ -1,0 +1,136 @@
+"""``kvops kv-capacity``, ``kvops kv``, ``kvops plan``, ``kvops verify``: glue over kvops.ops.capacity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from kvops.ops.errors import BadInputError, CheckFailedError
+
+Config = Annotated[Path, typer.Option("--config", help="config.json or a model directory.")]
+MaxLen = Annotated[int, typer.Option("--max-model-len", help="Tokens per request (prompt + output).")]
+KvDtype = Annotated[str, typer.Option("--kv-cache-dtype", help="auto|bfloat16|float16|fp8|fp8_e4m3|fp8_e5m2|fp8_ds_mla")]
+Tp = Annotated[int, typer.Option("--tensor-parallel-size", "-tp", help="TP size (KV heads split per rank).")]
+Device = Annotated[str, typer.Option("--device", help="cuda (block 16, async scheduling) or cpu (block 128).")]
+BlockSize = Annotated[int | None, typer.Option("--block-size", help="As passed to vllm serve.")]
+Mnbt = Annotated[int | None, typer.Option("--max-num-batched-tokens", help="Default 2048.")]
+Async = Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling", help="Default: on for cuda.")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
+
+def register(app: typer.Typer) -> None:
+    app.command("kv-capacity", help="num_blocks, tokens and concurrency exactly as vLLM 0.32 sizes them.")(kv_capacity_cmd)
+    app.command("kv", help="Textbook KV bytes per token and for request lengths (GiB and GB).")(kv_cmd)
+    app.command("plan", help="GPU + model + workload → vllm serve flags and a kvops.yaml.")(plan_cmd)
+    app.command("verify", help="Compare a live server (--url) or its log (--log) with a plan.")(verify_cmd)
+
+
+def _flags(max_model_len: int, device: str, block_size: int | None, mnbt: int | None, is_async: bool | None) -> Any:
+    from kvops.ops.capacity.allocator import SizingFlags
+
+    return SizingFlags(max_model_len=max_model_len, device=device, block_size=block_size,
+                       max_num_batched_tokens=mnbt, async_scheduling=is_async)
+
+
+def _model(config: Path, tp: int, kv_dtype: str) -> Any:
+    from kvops.ops.capacity.model import load_config, read_model
+
+    return read_model(load_config(config), tp=tp, kv_cache_dtype=kv_dtype)
+
+
+def kv_capacity_cmd(
+    config: Config, max_model_len: MaxLen,
+    kv_cache_memory_bytes: Annotated[int, typer.Option("--kv-cache-memory-bytes", help="KV bytes on one rank.")],
+    kv_cache_dtype: KvDtype = "auto", tensor_parallel_size: Tp = 1, device: Device = "cuda",
+    block_size: BlockSize = None, max_num_batched_tokens: Mnbt = None, async_scheduling: Async = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Reproduce vLLM's 'KV cache size' and 'Maximum concurrency' for one rank."""
+    from kvops.ops.capacity.allocator import kv_capacity
+
+    flags = _flags(max_model_len, device, block_size, max_num_batched_tokens, async_scheduling)
+    result = kv_capacity(_model(config, tensor_parallel_size, kv_cache_dtype), kv_cache_memory_bytes, flags).as_dict()
+    typer.echo(json.dumps(result) if json_out else result["log_line"])
+
+
+def kv_cmd(
+    config: Config,
+    lengths: Annotated[str, typer.Option("--lengths", help="Comma-separated request lengths (Σ Tᵢ).")] = "",
+    batch: Annotated[int, typer.Option("--batch", help="B requests ...")] = 0,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="... of L tokens each.")] = 0,
+    kv_cache_dtype: KvDtype = "auto", tensor_parallel_size: Tp = 1, json_out: JsonOut = False,
+) -> None:
+    """Bytes per token per layer group, then for Σ Tᵢ and for B × L, in GiB and GB."""
+    from kvops.ops.capacity.formula import kv_formula
+
+    try:
+        parsed = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        raise BadInputError(f"--lengths {lengths!r}: use comma-separated integers, e.g. 1024,4096") from None
+    out = kv_formula(_model(config, tensor_parallel_size, kv_cache_dtype), parsed, batch, seq_len)
+    if json_out:
+        typer.echo(json.dumps(out))
+        return
+    typer.echo(f"{out['kv_bytes_per_token']:,} B/token ({out['kv_dtype']})")
+    for key in ("requests", "batch"):
+        if key in out:
+            item: Any = out[key]
+            typer.echo(f"{key}: {item['bytes']:,} B = {item['gib']:.4f} GiB = {item['gb']:.8f} GB")
+
+
+def plan_cmd(
+    config: Config, max_model_len: MaxLen,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="H100, H200, B200, A100 ...")] = None,
+    gpu_memory_gib: Annotated[float | None, typer.Option("--gpu-memory-gib", help="Total GiB as CUDA reports it.")] = None,
+    tensor_parallel_size: Tp = 1, kv_cache_dtype: KvDtype = "auto",
+    model_dir: Annotated[Path | None, typer.Option("--model-dir", help="Read weights from safetensors headers.")] = None,
+    p50: Annotated[int | None, typer.Option("--p50", help="Median prompt+output tokens.")] = None,
+    p95: Annotated[int | None, typer.Option("--p95")] = None,
+    p99: Annotated[int | None, typer.Option("--p99")] = None,
+    target_concurrency: Annotated[int | None, typer.Option("--target-concurrency")] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option("--gpu-memory-utilization")] = None,
+    max_num_batched_tokens: Mnbt = None, json_out: JsonOut = False,
+    yaml_out: Annotated[bool, typer.Option("--yaml", help="Print kvops.yaml.")] = False,
+) -> None:
+    """Derive gpu_memory_utilization, max_num_seqs, ... and print the serve line."""
+    from kvops.ops.capacity.render import render, run_plan
+
+    plan = run_plan(config, max_model_len, gpu, gpu_memory_gib, tensor_parallel_size, kv_cache_dtype,
+                    model_dir, (p50, p95, p99), target_concurrency, gpu_memory_utilization, max_num_batched_tokens)
+
+    typer.echo(render(plan, "json" if json_out else "yaml" if yaml_out else "table"))
+
+
+def verify_cmd(
+    expect: Annotated[Path, typer.Option("--expect", help="JSON from kv-capacity --json or plan --json.")],
+    url: Annotated[str | None, typer.Option("--url", help="Server base URL (reads /metrics).")] = None,
+    log: Annotated[Path | None, typer.Option("--log", help="Server startup log.")] = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Exit 0 when the server's KV sizing equals the plan, 3 when it differs."""
+    from kvops.ops.capacity.verify import compare, fetch_metrics, parse_log, parse_metrics
+
+    if (url is None) == (log is None):
+        raise BadInputError("pass exactly one of --url or --log")
+    try:
+        expected = json.loads(expect.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BadInputError(f"--expect {expect}: {exc}") from None
+    if not isinstance(expected, dict):
+        raise BadInputError(f"--expect {expect}: must be a JSON object from kv-capacity/plan --json")
+    expected = expected.get("capacity", expected)
+    observed = parse_metrics(fetch_metrics(url)) if url else parse_log(_read(log))
+    result = compare(expected, observed)
+    typer.echo(json.dumps(result) if json_out else result["explanation"])
+    if not result["match"]:
+        raise CheckFailedError(f"server differs from the plan: {json.dumps(result['differences'])}")
+
+
+def _read(path: Path | None) -> str:
+    assert path is not None
+    try:
+        return path.read_text(errors="replace")
+    except OSError as exc:
+        raise BadInputError(f"--log {path}: {exc}") from None
