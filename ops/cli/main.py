@@ -23,7 +23,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "doctor",
     "capacity",
     "bench",
-    "demo",
 )
 
 
