@@ -18,10 +18,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import requests
-
 from kvops.ops.errors import KvopsError
+
+if TYPE_CHECKING:
+    from kvops.plugin.offload.settings import OffloadSettings
 
 DEFAULT_READY_TIMEOUT_S = 240.0
 CPU_TEST_ENV: Mapping[str, str] = {
@@ -159,3 +162,33 @@ def vllm_server(
         "--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes), *args,
     ]
     return ManagedServer(name=name, argv=argv, port=chosen, log_path=log_path, env=full_env)
+
+
+def lmcache_executable() -> str:
+    """The `lmcache` next to this interpreter (the venv's), else the one on PATH."""
+    local = Path(sys.executable).with_name("lmcache")
+    if local.exists():
+        return str(local)
+    found = shutil.which("lmcache")
+    if not found:
+        raise KvopsError("the `lmcache` command is not installed: run `make setup` (lmcache 0.5.6)")
+    return found
+
+
+def lmcache_server(
+    settings: OffloadSettings,
+    *,
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+    name: str = "lmcache",
+) -> ManagedServer:
+    """A not-yet-started `lmcache server` for these offload settings; start() waits for
+    GET /healthcheck on its HTTP port (the ZMQ port takes no HTTP)."""
+    from kvops.ops.offload.server import LMCACHE_ENV, server_args
+
+    full_env = {**os.environ, **LMCACHE_ENV, **(env or {})}
+    argv = [lmcache_executable(), "server", *server_args(settings)]
+    return ManagedServer(
+        name=name, argv=argv, port=settings.http_port, log_path=log_path, env=full_env,
+        host=settings.host,
+    )

@@ -20,6 +20,8 @@ def register() -> None:
     from kvops.plugin import _compat
 
     _compat.install_config_hook()
+    _compat.register_offload_connector()
+    _compat.install_attention_hook()
     _REGISTERED_PID = os.getpid()
     _compat.plugin_logger().info("kvops plugin registered (pid=%d)", os.getpid())
 

@@ -4,10 +4,14 @@ Hook points:
 - ``Platform.check_and_update_config`` (vllm/config/vllm.py:1991, inside
   ``VllmConfig.__post_init__``) runs in the front-end process before any engine process
   starts: we validate kvops settings there so that bad settings fail fast.
+- ``KVConnectorFactory.register_connector`` (vllm/distributed/kv_transfer/kv_connector/
+  factory.py:30-40) raises on a duplicate name, so we check its ``_registry`` first.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
 import sys
 from typing import Any
@@ -18,7 +22,8 @@ _WRAPPED_MARK = "_kvops_wrapped"
 def plugin_logger() -> logging.Logger:
     from vllm.logger import init_logger
 
-    return init_logger("vllm.plugins.kvops")
+    logger: logging.Logger = init_logger("vllm.plugins.kvops")
+    return logger
 
 
 def install_config_hook() -> None:
@@ -38,7 +43,7 @@ def install_config_hook() -> None:
         _fail_fast(after_platform_config, vllm_config)
 
     setattr(check_and_update_config, _WRAPPED_MARK, True)
-    platform_cls.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
 
 
 def _fail_fast(hook: Any, vllm_config: Any) -> None:
@@ -49,5 +54,77 @@ def _fail_fast(hook: Any, vllm_config: Any) -> None:
         hook(vllm_config)
     except KvopsPluginError as exc:
         message = " ".join(str(exc).split())
-        print(f"kvops: refusing to start: {message}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"kvops: refusing to start: {message}\n")
+        sys.stderr.flush()
         raise SystemExit(2) from None
+
+
+
+def register_offload_connector() -> None:
+    """Register the kvops offload connector by dotted path (imported lazily by vLLM)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvops.plugin.offload import CONNECTOR_MODULE, CONNECTOR_NAME
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+
+ATTENTION_MODULE = "vllm.model_executor.layers.attention.attention"
+
+
+def install_attention_hook() -> None:
+    """Wrap ``Attention.process_weights_after_loading`` in this process (fp8 scales), when vLLM
+    imports the attention module: importing it ourselves costs ~5 s in processes (front end,
+    ``vllm serve --help``) that never load a model.
+
+    vLLM calls it for every attention layer in every worker after the quant methods have set
+    checkpoint scales (vllm/model_executor/model_loader/utils.py:195-200), with the current
+    VllmConfig set (vllm/v1/worker/gpu_worker.py:587-594): the last word on a layer's scales.
+    """
+    module = sys.modules.get(ATTENTION_MODULE)
+    if module is not None:
+        _wrap_process_weights(module.Attention)
+    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs _wrap_process_weights right after vLLM's attention module executes."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != ATTENTION_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original_exec = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original_exec(module)
+            _wrap_process_weights(module.Attention)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _wrap_process_weights(attention_cls: Any) -> None:
+    original = attention_cls.process_weights_after_loading
+    if getattr(original, _WRAPPED_MARK, False):
+        return
+
+    def process_weights_after_loading(self: Any, act_dtype: Any) -> None:
+        original(self, act_dtype)
+        from kvops.plugin.hooks import settings_of
+        from vllm.config import get_current_vllm_config
+
+        vllm_config = get_current_vllm_config()
+        settings = settings_of(vllm_config)
+        if settings is not None and settings.kv_scales is not None:
+            from kvops.plugin.fp8.worker import after_attention_weights
+
+            after_attention_weights(self, vllm_config, settings.kv_scales)
+
+    setattr(process_weights_after_loading, _WRAPPED_MARK, True)
+    attention_cls.process_weights_after_loading = process_weights_after_loading

@@ -17,11 +17,25 @@ def settings_of(vllm_config: Any) -> KvopsSettings | None:
 
 def before_platform_config(vllm_config: Any) -> None:
     """Validate the kvops settings themselves before vLLM's platform hook runs."""
-    settings_of(vllm_config)
+    settings = settings_of(vllm_config)
+    from kvops.plugin.offload.wiring import ensure_connector
+
+    ensure_connector(vllm_config, settings.offload if settings else None)
 
 
 def after_platform_config(vllm_config: Any) -> None:
     """Feature checks that need the platform's final say (block size, dtype...)."""
     settings = settings_of(vllm_config)
+    from kvops.plugin.fp8.validate import check_fp8
+
+    check_fp8(vllm_config, settings.kv_scales if settings else None)
     if settings is None:
         return
+    if settings.offload is not None:
+        from kvops.plugin.offload.wiring import configure
+
+        configure(vllm_config, settings.offload)
+    if settings.admission is not None:
+        from kvops.plugin.admission_wiring import configure as configure_admission
+
+        configure_admission(vllm_config, settings.admission)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvops import __version__
 from kvops.plugin.settings import FEATURE_FIELDS, KvopsSettings
+
+from kvops import __version__
 
 _METRICS: dict[str, Any] = {}
 
@@ -29,6 +30,15 @@ def gauge(name: str, documentation: str, labelnames: tuple[str, ...] = ()) -> An
             name, documentation, labelnames=labelnames, registry=_registry(),
             multiprocess_mode="mostrecent",
         )
+    return _METRICS[name]
+
+
+def counter(name: str, documentation: str, labelnames: tuple[str, ...] = ()) -> Any:
+    """One Counter per name per process (exposed as ``<name>_total``), like ``gauge()``."""
+    if name not in _METRICS:
+        from prometheus_client import Counter
+
+        _METRICS[name] = Counter(name, documentation, labelnames=labelnames, registry=_registry())
     return _METRICS[name]
 
 

@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
-
+from kvops.plugin.admission_settings import AdmissionSettings
 from kvops.plugin.errors import KvopsPluginError
+from kvops.plugin.fp8.settings import KvScalesSettings
+from kvops.plugin.offload.settings import OffloadSettings
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 ADDITIONAL_CONFIG_KEY = "kvops"
 
@@ -34,6 +36,12 @@ class KvopsSettings(BaseModel):
 
     config: str | None = None
     """Path of a kvops.yaml whose mapping is merged under the inline keys."""
+    kv_scales: KvScalesSettings | None = None
+    """Calibrated fp8 KV scales (kvops.plugin.fp8): a scales file, or recording mode."""
+    offload: OffloadSettings | None = None
+    """LMCache CPU/SSD offload (kvops.plugin.offload); needs a running `kvops offload serve`."""
+    admission: AdmissionSettings | None = None
+    """KV-budget admission (kvops.plugin.admission): scheduler reservations, HTTP 400/429."""
 
     def features(self) -> tuple[str, ...]:
         """Names of the features these settings switch on, for metrics and logs."""

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.metrics.loggers import AggregateStatLoggerBase
-
 from kvops.plugin.hooks import settings_of
 from kvops.plugin.metrics import publish_info
+from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
 
 class KvopsStatLogger(AggregateStatLoggerBase):
@@ -21,7 +20,11 @@ class KvopsStatLogger(AggregateStatLoggerBase):
     def __init__(self, vllm_config: Any, engine_indexes: list[int]) -> None:
         self.vllm_config = vllm_config
         self.engine_indexes = engine_indexes
-        publish_info(vllm_config, settings_of(vllm_config))
+        settings = settings_of(vllm_config)
+        publish_info(vllm_config, settings)
+        from kvops.plugin.admission_wiring import install_in_api_server
+
+        install_in_api_server(vllm_config, settings.admission if settings else None)
 
     def record(
         self,
@@ -30,7 +33,11 @@ class KvopsStatLogger(AggregateStatLoggerBase):
         mm_cache_stats: Any = None,
         engine_idx: int = 0,
     ) -> None:
-        return None
+        from kvops.plugin import admission_http
+
+        front_door = admission_http.door()
+        if front_door is not None:
+            front_door.on_step(scheduler_stats, iteration_stats)
 
     def log_engine_initialized(self) -> None:
         return None

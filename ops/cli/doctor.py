@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
+from kvops.ops.errors import EXIT_CHECK_FAILED
 
 
 def register(app: typer.Typer) -> None:
@@ -12,8 +15,25 @@ def register(app: typer.Typer) -> None:
 
 
 def doctor(
-    offload_dir: Annotated[str, typer.Option(help="Directory an SSD offload tier would use.")] = "/tmp",
+    offload_dir: Annotated[Path, typer.Option(help="Directory an SSD offload tier would use.")] = Path("/tmp"),
+    shm_gib: Annotated[float, typer.Option(help="KV cache GiB that zero-copy offload must fit in /dev/shm.")] = 1.0,
+    disk_gib: Annotated[float, typer.Option(help="GiB the disk tier needs free.")] = 1.0,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Check vLLM, fp8-KV support, LMCache, the torchvision trap, /dev/shm and disk."""
-    raise typer.Exit(0)
+    """Check vLLM, fp8-KV support, LMCache, the torchvision trap, /dev/shm and disk.
+
+    Exit code 3 when any check fails; each failing row says how to fix it.
+    """
+    from kvops.ops.doctor import DoctorInputs, run_checks
+
+    rows = run_checks(DoctorInputs(offload_dir=offload_dir, shm_needed_gib=shm_gib, disk_needed_gib=disk_gib))
+    if json_out:
+        typer.echo(json.dumps({"checks": [row.as_dict() for row in rows]}, indent=2))
+    else:
+        width = max(len(row.name) for row in rows)
+        for row in rows:
+            typer.echo(f"{row.status.upper():4}  {row.name:<{width}}  {row.found}")
+            if row.fix:
+                typer.echo(f"{'':4}  {'':<{width}}  fix: {row.fix}")
+    if any(row.status == "fail" for row in rows):
+        raise typer.Exit(EXIT_CHECK_FAILED)

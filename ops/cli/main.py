@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import Any
 
-import click
 import typer
+from kvops.ops.errors import EXIT_ERROR, KvopsError
 from typer.core import TyperGroup
 
 from kvops import __version__
-from kvops.ops.errors import EXIT_ERROR, KvopsError
 
 # One line per command module; each defines register(app: typer.Typer) -> None.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -23,27 +23,32 @@ COMMAND_MODULES: tuple[str, ...] = (
     "doctor",
     "capacity",
     "bench",
+    "calibrate",
+    "demo",
+    "offload",
+    "diagnose",
+    "loadtest",
 )
 
 
 class KvopsGroup(TyperGroup):
     """Turns every KvopsError into a one-line message and its exit code (STYLE rule 5)."""
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: typer.Context) -> Any:  # type: ignore[override]  # typer vendors click's Context
         try:
             return super().invoke(ctx)
         except KvopsError as exc:
             _report(exc)
             ctx.exit(exc.exit_code)
-        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort):
+        except (typer.Exit, typer.Abort, typer.TyperException):
             raise
         except KeyboardInterrupt:
-            click.echo("kvops: interrupted", err=True)
+            typer.echo("kvops: interrupted", err=True)
             ctx.exit(130)
         except Exception as exc:  # the boundary: anything else is our bug
             if os.environ.get("KVOPS_DEBUG") == "1":
                 raise
-            click.echo(
+            typer.echo(
                 f"kvops: internal error: {type(exc).__name__}: {exc} "
                 "(rerun with KVOPS_DEBUG=1 for a traceback)",
                 err=True,
@@ -57,12 +62,12 @@ def _report(exc: KvopsError) -> None:
 
         traceback.print_exception(exc)
     message = " ".join(str(exc).split("\n")).strip()
-    click.echo(f"kvops: {message}", err=True)
+    typer.echo(f"kvops: {message}", err=True)
 
 
 def _version_callback(value: bool) -> None:
     if value:
-        click.echo(f"kvops {__version__}")
+        typer.echo(f"kvops {__version__}")
         raise typer.Exit()
 
 
@@ -94,4 +99,15 @@ app = build_app()
 
 
 def main() -> None:
-    app()
+    """Console-script entry: usage errors become one line too, exit code 2."""
+    try:
+        code = app(standalone_mode=False)
+    except typer.Abort:
+        typer.echo("kvops: aborted", err=True)
+        sys.exit(130)
+    except typer.TyperException as exc:  # click's UsageError/BadParameter family
+        message = " ".join(exc.format_message().split())
+        if message:  # empty when help was shown for a bare group
+            typer.echo(f"kvops: {message} (see `kvops --help`)", err=True)
+        sys.exit(getattr(exc, "exit_code", 2))
+    sys.exit(code if isinstance(code, int) else 0)

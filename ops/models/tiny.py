@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from kvops.ops.errors import BadInputError, KvopsError
 
@@ -119,7 +120,7 @@ def build_tiny_model(out_dir: Path, spec: TinyModelSpec) -> Path:
     return out_dir
 
 
-def _weights(spec: TinyModelSpec, torch: object) -> dict[str, object]:
+def _weights(spec: TinyModelSpec, torch: Any) -> dict[str, Any]:
     import torch as t
 
     gen = t.Generator().manual_seed(spec.seed)

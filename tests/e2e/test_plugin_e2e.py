@@ -57,7 +57,8 @@ def test_plugin_active_in_every_process_and_on_metrics(vllm, tiny_model, kvops_y
     log = vllm.log_of(server)
     pids = {int(p) for p in re.findall(r"\((?:EngineCore|VllmWorker)[^ ]* pid=(\d+)\).*kvops plugin registered", log)}
     assert pids, log[-3000:]
-    assert server.process is not None and server.process.pid not in pids
+    assert server.process is not None
+    assert server.process.pid not in pids
 
 
 def test_without_settings_the_plugin_changes_nothing(vllm, tiny_model, kvops_yaml):

@@ -1,0 +1,34 @@
+"""The CLI boundary: one-line errors, exit codes, no tracebacks."""
+
+from __future__ import annotations
+
+from kvops.ops.cli.main import app
+from typer.testing import CliRunner
+
+runner = CliRunner()
+
+
+def test_unknown_bench_is_bad_input():
+    result = runner.invoke(app, ["bench", "nope"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        "kvops: unknown bench 'nope': choose one of planner, fp8, offload, admission, loadgen"
+    )
+
+
+def test_bad_model_shape_is_bad_input(tmp_path):
+    result = runner.invoke(app, ["model", "tiny", str(tmp_path / "m"), "--heads", "3", "--kv-heads", "2"])
+    assert result.exit_code == 2
+    assert "--heads must be a multiple of --kv-heads" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_unknown_option_is_usage_error():
+    result = runner.invoke(app, ["doctor", "--no-such-flag"])
+    assert result.exit_code == 2
+
+
+def test_version():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.stdout.startswith("kvops ")

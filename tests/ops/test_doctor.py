@@ -1,0 +1,53 @@
+"""kvops doctor against this real environment and against inputs that must fail."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvops.ops.cli.main import app
+from kvops.ops.doctor import DoctorInputs, check_fp8, check_offload_dir, run_checks
+from typer.testing import CliRunner
+
+runner = CliRunner()
+
+
+def test_this_environment_passes(tmp_path: Path):
+    """make setup produced this venv; doctor must agree that it is complete."""
+    result = runner.invoke(app, ["doctor", "--json", "--offload-dir", str(tmp_path)])
+    rows = json.loads(result.stdout)["checks"]
+    failing = [row for row in rows if row["status"] == "fail"]
+    assert failing == [], rows
+    assert result.exit_code == 0
+    names = {row["name"] for row in rows}
+    assert {"vllm", "vllm CLI", "torchvision trap", "fp8 KV", "lmcache", "/dev/shm", "offload dir"} <= names
+
+
+def test_missing_offload_dir_fails_with_exit_3_and_a_fix(tmp_path: Path):
+    missing = tmp_path / "nowhere"
+    result = runner.invoke(app, ["doctor", "--offload-dir", str(missing)])
+    assert result.exit_code == 3
+    assert f"{missing} does not exist" in result.stdout
+    assert f"fix: mkdir -p {missing}" in result.stdout
+
+
+def test_offload_dir_without_room_fails(tmp_path: Path):
+    row = check_offload_dir(DoctorInputs(offload_dir=tmp_path, disk_needed_gib=1e9))
+    assert row.status == "fail"
+    assert "GiB free" in row.found
+
+
+def test_cpu_without_avx512_or_amx_cannot_run_fp8(tmp_path: Path):
+    # A /proc/cpuinfo of an AVX2-only x86 machine (flags as the kernel prints them).
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma\n")
+    row = check_fp8(DoctorInputs(offload_dir=tmp_path, cpuinfo=cpuinfo))
+    assert row.status == "fail"
+    assert "neither AVX-512 nor AMX" in row.found
+
+
+def test_fp8_row_matches_this_cpu(tmp_path: Path):
+    flags = Path("/proc/cpuinfo").read_text()
+    expect_ok = " avx512f " in flags or " amx_tile " in flags
+    row = [r for r in run_checks(DoctorInputs(offload_dir=tmp_path)) if r.name == "fp8 KV"][0]
+    assert (row.status == "ok") == expect_ok

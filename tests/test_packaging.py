@@ -1,0 +1,68 @@
+"""The distribution as a user installs it: packages, entry points, import rules."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+FOLDER_OF = {"kvops.plugin": "plugin", "kvops.ops": "ops", "kvops.loadtest": "loadtest", "kvops": "kvops"}
+
+
+def _package_dirs() -> set[str]:
+    found = set()
+    for root, mapped in FOLDER_OF.items():
+        base = REPO / mapped
+        for init in base.rglob("__init__.py"):
+            rel = init.parent.relative_to(base)
+            found.add(".".join([root, *rel.parts]) if rel.parts else root)
+    return found
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    assert _package_dirs() - listed == set(), "add these to [tool.setuptools] packages"
+    assert listed - _package_dirs() == set(), "listed packages without an __init__.py"
+
+
+def test_entry_points_name_real_objects():
+    eps = PYPROJECT["project"]["entry-points"]
+    assert eps["vllm.general_plugins"]["kvops"] == "kvops.plugin:register"
+    assert PYPROJECT["project"]["scripts"]["kvops"] == "kvops.ops.cli.main:main"
+
+
+BLOCK_HEAVY = """
+import importlib, pkgutil, sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('vllm', 'torch', 'lmcache'):
+            raise ImportError('blocked: ' + name)
+sys.meta_path.insert(0, Block())
+import kvops.ops, kvops.loadtest
+for pkg in (kvops.ops, kvops.loadtest):
+    for mod in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):
+        importlib.import_module(mod.name)
+print('ok')
+"""
+
+
+def test_ops_and_loadtest_import_without_vllm_or_torch():
+    """Every module of kvops.ops and kvops.loadtest imports with vllm/torch/lmcache blocked."""
+    out = subprocess.run([sys.executable, "-c", BLOCK_HEAVY], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"
+
+
+def test_help_imports_no_heavy_module():
+    code = (
+        "import sys\nfrom typer.testing import CliRunner\nfrom kvops.ops.cli.main import app\n"
+        "r = CliRunner().invoke(app, ['--help'])\nassert r.exit_code == 0, r.output\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'transformers'))\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == ""
