@@ -1,0 +1,1 @@
+"""Diagnoses of finished runs: records + /metrics samples in, verdicts out. No Locust here."""

@@ -1,0 +1,146 @@
+"""kv-exhaustion: classify each load step from the server's gauges and the client's tails,
+find the knee, and set it beside the capacity the KV cache predicts.
+
+A step is KV-bound when vLLM preempts or holds requests waiting while the cache is (nearly)
+full; sequence-limit-bound when requests wait while ``running`` sits flat at the same ceiling
+with KV to spare; compute-bound when they wait with neither limit reached (token budget or
+plain compute); failing when requests error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvops.loadtest.analysis.stats import mean, percentile
+from kvops.loadtest.metrics import MetricsSample, cache_int, delta, window
+from kvops.loadtest.records import RequestRecord
+from kvops.loadtest.scenarios.config import KvExhaustionConfig
+from kvops.ops.diagnose import Verdict, healthy
+
+OK, KV_BOUND, SEQ_BOUND, COMPUTE_BOUND, FAILING = (
+    "ok", "kv-capacity", "max-num-seqs", "compute-bound", "failing")
+
+
+@dataclass
+class StepResult:
+    index: int
+    users: int
+    start: float
+    end: float
+    requests: int
+    errors: int
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    tokens_per_s: float
+    waiting_max: float
+    running_max: float
+    kv_usage_max: float
+    preemptions: float
+    classification: str = OK
+
+
+def step_bounds(config: KvExhaustionConfig, started_at: float) -> list[tuple[int, float, float]]:
+    return [(users, started_at + i * config.step_s, started_at + (i + 1) * config.step_s)
+            for i, users in enumerate(config.steps)]
+
+
+def measure_step(index: int, users: int, start: float, end: float, config: KvExhaustionConfig,
+                 records: list[RequestRecord], samples: list[MetricsSample]) -> StepResult:
+    settled = start + (end - start) * config.settle_fraction
+    sent = [r for r in records if start <= r.sent_at < end]
+    done = [r for r in records if settled <= r.done_at < end and r.ok]
+    in_step = window(samples, settled, end) or window(samples, start, end)
+    edge = window(samples, start - 1.5, end + 1.5)
+    ttfts = [r.ttft_s for r in sent if r.ttft_s is not None]
+    return StepResult(
+        index=index, users=users, start=start, end=end, requests=len(sent),
+        errors=sum(1 for r in sent if not r.ok and not r.stopped),
+        ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+        tokens_per_s=sum(r.completion_tokens or 0 for r in done) / max(end - settled, 1e-9),
+        waiting_max=max((s.get("waiting") for s in in_step), default=0.0),
+        running_max=max((s.get("running") for s in in_step), default=0.0),
+        kv_usage_max=max((s.get("kv_usage") for s in in_step), default=0.0),
+        preemptions=delta(edge[0], edge[-1], "preemptions") if len(edge) >= 2 else 0.0,
+    )
+
+
+def classify(step: StepResult, previous: StepResult | None, config: KvExhaustionConfig) -> str:
+    if step.requests and step.errors >= 2 and step.errors / step.requests > config.error_rate_failing:
+        return FAILING
+    if step.preemptions > 0 or (step.waiting_max >= 1 and step.kv_usage_max >= config.kv_usage_bound):
+        return KV_BOUND
+    if step.waiting_max >= 1:
+        plateau = previous is not None and previous.running_max >= step.running_max
+        return SEQ_BOUND if plateau else COMPUTE_BOUND
+    return OK
+
+
+def predicted_concurrency(sample: MetricsSample | None, tokens_per_request: float) -> dict[str, Any]:
+    """Requests the KV cache holds at once: whole blocks per request, one null block reserved.
+
+    From vllm:cache_config_info (num_gpu_blocks, block_size); vLLM keeps block 0 as the null
+    block (vllm/v1/core/block_pool.py), so usage is computed over num_blocks − 1.
+    """
+    if sample is None:
+        return {}
+    blocks, block_size = cache_int(sample, "num_gpu_blocks"), cache_int(sample, "block_size")
+    if not blocks or not block_size or tokens_per_request <= 0:
+        return {}
+    per_request = math.ceil(tokens_per_request / block_size)
+    return {"num_gpu_blocks": blocks, "block_size": block_size,
+            "tokens_per_request": round(tokens_per_request, 1), "blocks_per_request": per_request,
+            "predicted_max_concurrency": (blocks - 1) // per_request}
+
+
+def analyse(config: KvExhaustionConfig, records: list[RequestRecord], samples: list[MetricsSample],
+            started_at: float) -> tuple[list[StepResult], list[Verdict]]:
+    steps: list[StepResult] = []
+    for i, (users, start, end) in enumerate(step_bounds(config, started_at)):
+        step = measure_step(i, users, start, end, config, records, samples)
+        step.classification = classify(step, steps[-1] if steps else None, config)
+        steps.append(step)
+    prompt = mean([float(r.prompt_tokens) for r in records if r.prompt_tokens]) or 0.0
+    plan = predicted_concurrency(samples[-1] if samples else None, prompt + config.workload.max_tokens)
+    knee = next((s for s in steps if s.classification != OK), None)
+    ok_steps = [s for s in steps if s.classification == OK and (knee is None or s.index < knee.index)]
+    evidence: dict[str, Any] = {
+        "steps": [{"users": s.users, "class": s.classification} for s in steps], **plan,
+        "last_ok_users": ok_steps[-1].users if ok_steps else 0,
+    }
+    if knee is None:
+        return steps, [healthy(**evidence, max_users_tested=steps[-1].users)]
+    evidence.update({
+        "knee_users": knee.users, "waiting_max": knee.waiting_max, "running_max": knee.running_max,
+        "kv_usage_max": round(knee.kv_usage_max, 4), "preemptions": knee.preemptions,
+        "ttft_p99_s": knee.ttft_p99_s, "errors": knee.errors,
+        "ttft_p99_ratio_to_first_step": _ratio(knee.ttft_p99_s, steps[0].ttft_p99_s),
+    })
+    if "predicted_max_concurrency" in plan:
+        evidence["knee_vs_prediction"] = (
+            f"knee at {knee.users} users; the KV cache holds {plan['predicted_max_concurrency']} "
+            f"requests of {plan['tokens_per_request']} tokens")
+    return steps, [Verdict("kv-exhaustion", knee.classification, evidence, _next(knee.classification))]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a is not None and b else None
+
+
+def _next(cause: str) -> str:
+    return {
+        KV_BOUND: "KV-bound: `kvops plan` for this model, then raise --gpu-memory-utilization / "
+                  "--kv-cache-memory-bytes, use --kv-cache-dtype fp8, or cap --max-num-seqs at the "
+                  "predicted concurrency (runbooks/kv-exhaustion.md)",
+        SEQ_BOUND: "running is pinned at --max-num-seqs with KV to spare: raise --max-num-seqs "
+                   "(runbooks/kv-exhaustion.md)",
+        COMPUTE_BOUND: "requests queue with KV and sequences to spare: raise "
+                       "--max-num-batched-tokens or add replicas (runbooks/kv-exhaustion.md)",
+        FAILING: "requests fail under load: read the server log around the knee "
+                 "(runbooks/kv-exhaustion.md)",
+    }[cause]
+
+
+def steps_table(steps: list[StepResult]) -> list[dict[str, Any]]:
+    return [asdict(s) for s in steps]

@@ -1,0 +1,144 @@
+"""ttft-regression: TTFT split into queue / prefill / rest, and a baseline comparison with
+bootstrap confidence intervals per metric and per component.
+
+Client samples are per request. Server components come from vLLM's histograms
+(``request_queue_time``, ``request_prefill_time``, ``time_to_first_token``): each scrape
+interval gives one (Δsum, Δcount) pair, and the bootstrap resamples intervals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvops.loadtest.analysis.stats import bootstrap_relative_change, mean, percentile
+from kvops.loadtest.metrics import MetricsSample, delta
+from kvops.loadtest.records import RequestRecord
+from kvops.loadtest.scenarios.config import TtftRegressionConfig
+from kvops.ops.diagnose import Verdict, healthy
+
+COMPONENTS = ("queue", "prefill", "ttft", "decode", "itl")
+Interval = tuple[float, float]  # (Δsum, Δcount)
+
+
+def intervals(samples: Sequence[MetricsSample], name: str) -> list[Interval]:
+    out = []
+    for a, b in zip(samples, samples[1:], strict=False):
+        count = delta(a, b, name + "_count")
+        if count > 0:
+            out.append((delta(a, b, name + "_sum"), count))
+    return out
+
+
+def pooled_mean(rows: Sequence[Interval]) -> float | None:
+    count = sum(c for _, c in rows)
+    return sum(s for s, _ in rows) / count if count else None
+
+
+def client_samples(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
+    ok = [r for r in records if r.ok]
+    return {
+        "ttft_s": [r.ttft_s for r in ok if r.ttft_s is not None],
+        "itl_mean_s": [sum(r.itl_s) / len(r.itl_s) for r in ok if r.itl_s],
+        "e2e_s": [r.e2e_s for r in ok if r.e2e_s is not None],
+        "lateness_s": [r.lateness_s for r in records if r.lateness_s is not None],
+    }
+
+
+def summarise(config: TtftRegressionConfig, records: Sequence[RequestRecord],
+              samples: Sequence[MetricsSample], duration_s: float) -> dict[str, Any]:
+    """Everything a later run needs to compare against: raw samples plus the headline numbers."""
+    client = client_samples(records)
+    comps = {name: intervals(samples, name) for name in COMPONENTS}
+    done = [r for r in records if r.ok]
+    return {
+        "rate_rps": config.rate_rps,
+        "arrival_rate_rps": round(len(records) / duration_s, 3) if duration_s else None,
+        "completion_rate_rps": round(len(done) / duration_s, 3) if duration_s else None,
+        "ttft_p50_s": percentile(client["ttft_s"], 50), "ttft_p90_s": percentile(client["ttft_s"], 90),
+        "ttft_p99_s": percentile(client["ttft_s"], 99), "itl_mean_s": mean(client["itl_mean_s"]),
+        "lateness_p50_s": percentile(client["lateness_s"], 50),
+        "lateness_p99_s": percentile(client["lateness_s"], 99),
+        "server_means_s": {name: pooled_mean(rows) for name, rows in comps.items()},
+        "samples": client, "intervals": comps,
+    }
+
+
+def _p(q: float) -> Any:
+    return lambda xs: percentile(xs, q)
+
+
+CLIENT_METRICS = {"ttft_p50": ("ttft_s", _p(50)), "ttft_p90": ("ttft_s", _p(90)),
+                  "itl_mean": ("itl_mean_s", mean), "e2e_p50": ("e2e_s", _p(50))}
+
+
+def compare(config: TtftRegressionConfig, base: dict[str, Any], cand: dict[str, Any]
+            ) -> tuple[dict[str, Any], list[Verdict]]:
+    """Relative change with CIs; a regression is a CI entirely above the threshold."""
+    table: dict[str, Any] = {}
+    for name, (key, stat) in CLIENT_METRICS.items():
+        table[name] = _row(config, base["samples"].get(key, []), cand["samples"].get(key, []), stat)
+    for name in COMPONENTS:
+        b = [tuple(x) for x in base["intervals"].get(name, [])]
+        c = [tuple(x) for x in cand["intervals"].get(name, [])]
+        table["server_" + name] = _row(config, b, c, pooled_mean)
+    regressed = [n for n in ("ttft_p50", "ttft_p90", "itl_mean") if table[n].get("regressed")]
+    if not regressed:
+        return table, [healthy(compared_with="baseline", **_headline(table))]
+    return table, [_cause_verdict(table, base, cand, regressed)]
+
+
+def _row(config: TtftRegressionConfig, base: Sequence[Any], cand: Sequence[Any], stat: Any) -> dict[str, Any]:
+    result = bootstrap_relative_change(base, cand, stat, resamples=config.resamples,
+                                       confidence=config.confidence)
+    if result is None:
+        return {"baseline": stat(base) if base else None, "candidate": stat(cand) if cand else None}
+    point, low, high = result
+    b, c = stat(base), stat(cand)
+    return {"baseline": b, "candidate": c, "change": round(point, 4), "ci_low": round(low, 4),
+            "ci_high": round(high, 4),
+            "regressed": low > config.threshold_rel and (c - b) > config.min_abs_s}
+
+
+def _headline(table: dict[str, Any]) -> dict[str, Any]:
+    return {k: {x: v.get(x) for x in ("change", "ci_low", "ci_high")} for k, v in table.items()
+            if k in ("ttft_p50", "ttft_p90", "itl_mean")}
+
+
+def _cause_verdict(table: dict[str, Any], base: dict[str, Any], cand: dict[str, Any],
+                   regressed: list[str]) -> Verdict:
+    def grew(name: str) -> float:
+        row = table.get("server_" + name, {})
+        b, c = row.get("baseline"), row.get("candidate")
+        return (c - b) if b is not None and c is not None else 0.0
+
+    d_queue, d_prefill, d_ttft = grew("queue"), grew("prefill"), grew("ttft")
+    ttft_regressed = any(n.startswith("ttft") for n in regressed)
+    if not ttft_regressed:
+        cause = "decode"
+    elif d_queue >= d_prefill and d_queue > 0:
+        cause = "queueing"
+    elif d_prefill > 0:
+        cause = "prefill"
+    else:
+        cause = "decode"
+    arrival, drain = cand.get("arrival_rate_rps"), cand.get("completion_rate_rps")
+    evidence = {
+        "regressed": regressed, **_headline(table),
+        "server_delta_s": {"queue": round(d_queue, 4), "prefill": round(d_prefill, 4),
+                           "ttft": round(d_ttft, 4),
+                           "rest": round(d_ttft - d_queue - d_prefill, 4)},
+        "arrival_rate_rps": arrival, "completion_rate_rps": drain,
+        "arrival_over_drain": round(arrival / drain, 2) if arrival and drain else None,
+        "baseline_rate_rps": base.get("rate_rps"), "candidate_rate_rps": cand.get("rate_rps"),
+        "lateness_p99_s": cand.get("lateness_p99_s"),
+    }
+    nxt = {
+        "queueing": "TTFT grew in the queue: arrivals outpace the drain rate; add replicas, lower "
+                    "the rate, or raise --max-num-seqs if KV allows (runbooks/ttft-regression.md)",
+        "prefill": "TTFT grew in prefill: longer prompts, lost prefix hits or a slower build; run "
+                   "`kvops loadtest prefix-miss` and compare prompt lengths (runbooks/ttft-regression.md)",
+        "decode": "decode got slower (ITL): check batch size, KV dtype and the build "
+                  "(runbooks/ttft-regression.md)",
+    }[cause]
+    return Verdict("ttft-regression", cause, evidence, nxt)

@@ -1,0 +1,129 @@
+"""Turn a finished run (records + /metrics samples) into verdicts and reports.
+
+Called in the Locust process that owns the run (local or master) when it quits, and usable on
+its own from saved files. Knows no Locust.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvops.loadtest.analysis import kv, prefix, ttft
+from kvops.loadtest.analysis.stats import mean, percentile
+from kvops.loadtest.analysis.tokens import ServerTokenizer
+from kvops.loadtest.metrics import MetricsSample, hist_mean
+from kvops.loadtest.records import RequestRecord, write_jsonl
+from kvops.loadtest.scenarios.config import (
+    KvExhaustionConfig,
+    PrefixMissConfig,
+    ScenarioConfig,
+    TtftRegressionConfig,
+)
+from kvops.ops.diagnose import Verdict
+from kvops.ops.errors import EXIT_CHECK_FAILED, EXIT_OK, BadInputError
+
+SCHEMA = "kvops.loadtest.result/1"
+
+
+@dataclass
+class Run:
+    config: ScenarioConfig
+    host: str
+    model: str
+    started_at: float
+    ended_at: float
+    records: list[RequestRecord]
+    samples: list[MetricsSample]
+    out_dir: Path
+    baseline: Path | None = None
+    processes: int = 1
+
+
+def client_summary(records: list[RequestRecord], samples: list[MetricsSample]) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    server = hist_mean(samples[0], samples[-1], "ttft") if len(samples) >= 2 else None
+    client_mean = mean(ttfts)
+    return {
+        "requests": len(records), "ok": len(ok),
+        "errors": sum(1 for r in records if not r.ok and not r.stopped),
+        "stopped_in_flight": sum(1 for r in records if r.stopped),
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+        "ttft_mean_s": client_mean, "server_ttft_mean_s": server,
+        "ttft_client_minus_server_ms": round((client_mean - server) * 1000, 2)
+        if client_mean is not None and server is not None else None,
+        "e2e_p50_s": percentile([r.e2e_s for r in ok if r.e2e_s is not None], 50),
+        "completion_tokens": sum(r.completion_tokens or 0 for r in ok),
+        "token_count_mismatches": sum(1 for r in ok if r.token_count_mismatch),
+        "workers": sorted({r.worker for r in records}),
+    }
+
+
+def load_baseline(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise BadInputError(f"cannot read baseline {path}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise BadInputError(f"baseline {path} is not JSON: {exc.msg}") from exc
+    if data.get("scenario") != "ttft-regression" or "ttft" not in data:
+        raise BadInputError(f"baseline {path} is not a ttft-regression result: run "
+                            "`kvops loadtest ttft-regression --url URL --json` and pass its JSON report")
+    summary: dict[str, Any] = data["ttft"]["summary"]
+    return summary
+
+
+def analyse(run: Run) -> tuple[dict[str, Any], list[Verdict], int]:
+    """Scenario-specific section of the result, its verdicts and the exit code."""
+    cfg, duration = run.config, run.ended_at - run.started_at
+    if isinstance(cfg, KvExhaustionConfig):
+        steps, verdicts = kv.analyse(cfg, run.records, run.samples, run.started_at)
+        return {"steps": kv.steps_table(steps)}, verdicts, EXIT_OK
+    if isinstance(cfg, PrefixMissConfig):
+        summary, verdicts = prefix.analyse(run.records, run.samples,
+                                           ServerTokenizer(run.host, run.model), cfg.min_ratio)
+        return {"prefix": summary}, verdicts, EXIT_OK
+    assert isinstance(cfg, TtftRegressionConfig)
+    summary = ttft.summarise(cfg, run.records, run.samples, duration)
+    section: dict[str, Any] = {"ttft": {"summary": summary}}
+    if run.baseline is None:
+        return section, [ttft_no_baseline(summary)], EXIT_OK
+    table, verdicts = ttft.compare(cfg, load_baseline(run.baseline), summary)
+    section["ttft"]["comparison"] = table
+    section["ttft"]["baseline"] = str(run.baseline)
+    failed = any(v.problem == "ttft-regression" for v in verdicts)
+    return section, verdicts, EXIT_CHECK_FAILED if failed else EXIT_OK
+
+
+def ttft_no_baseline(summary: dict[str, Any]) -> Verdict:
+    from kvops.ops.diagnose import healthy
+
+    means = summary["server_means_s"]
+    return healthy(note="no baseline given: this result can serve as one (--baseline FILE)",
+                   ttft_p50_s=summary["ttft_p50_s"], server_means_s=means)
+
+
+def finalize(run: Run) -> tuple[dict[str, Any], int]:
+    """Analyse, write records/metrics/result JSON/HTML/PNG under out_dir; (result, exit code)."""
+    from kvops.loadtest import report
+
+    run.out_dir.mkdir(parents=True, exist_ok=True)
+    files = {name: str(run.out_dir / f) for name, f in (
+        ("json", "result.json"), ("html", "report.html"), ("png", "main.png"),
+        ("records", "records.jsonl"), ("metrics", "metrics.jsonl"))}
+    write_jsonl(Path(files["records"]), (r.to_dict() for r in run.records))
+    write_jsonl(Path(files["metrics"]), (s.to_dict() for s in run.samples))
+    section, verdicts, code = analyse(run)
+    result: dict[str, Any] = {
+        "schema": SCHEMA, "scenario": run.config.scenario, "host": run.host, "model": run.model,
+        "started_at": run.started_at, "ended_at": run.ended_at,
+        "duration_s": round(run.ended_at - run.started_at, 3), "processes": run.processes,
+        "config": run.config.model_dump(), "client": client_summary(run.records, run.samples),
+        **section, "verdicts": [v.to_dict() for v in verdicts], "exit_code": code, "files": files,
+    }
+    Path(files["json"]).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    report.write_html(result, run.records, run.samples, Path(files["html"]), Path(files["png"]))
+    return result, code

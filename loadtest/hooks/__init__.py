@@ -1,0 +1,1 @@
+"""Listeners that take the Locust environment: record store, /metrics scraper, merging."""

@@ -1,0 +1,1 @@
+"""Load shapes: how many users, when; and open-loop arrival schedules."""

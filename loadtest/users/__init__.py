@@ -1,0 +1,1 @@
+"""Locust users: what a virtual user sends and how it measures it."""

@@ -1,0 +1,102 @@
+"""The analyses on hand-built runs whose answer follows from the definitions: vLLM's block
+hashing (whole blocks, last prompt token never cached), its gauges, bootstrap CIs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvops.loadtest.analysis import kv, prefix, ttft
+from kvops.loadtest.analysis.stats import bootstrap_relative_change, percentile
+from kvops.loadtest.metrics import MetricsSample
+from kvops.loadtest.records import RequestRecord
+from kvops.loadtest.scenarios.config import KvExhaustionConfig, TtftRegressionConfig
+
+
+def _rec(sent: float, ttft_s: float = 0.1, group: str | None = "0", **kw) -> RequestRecord:
+    return RequestRecord(request_id=str(sent), kind="completions", sent_at=sent, ttft_s=ttft_s,
+                         e2e_s=1.0, ok=True, group=group, **kw)
+
+
+def _item(sent: float, tokens: list[int], intended: int, first: float = 0.1) -> prefix.PrefixTokens:
+    return prefix.PrefixTokens(_rec(sent, ttft_s=first), tokens, intended)
+
+
+def test_ideal_hits_count_whole_blocks_of_prefilled_prompts_only():
+    shared = list(range(300))
+    a = _item(0.0, shared + [1000, 1001], 300)
+    b = _item(1.0, shared + [2000], 300)  # after a's first token: 2 whole blocks of 4
+    c = _item(1.05, shared + [3000], 300, first=5.0)  # b (first token at 1.1) not yet usable
+    early = _item(0.05, shared + [4000], 300)  # sent before a's first token (0.1): no hit
+    hits = prefix.ideal_hits([a, b, c, early], block=128)
+    assert hits == [0, 256, 256, 0]
+
+
+def test_last_prompt_token_is_never_a_hit():
+    tokens = list(range(256))
+    first, again = _item(0.0, tokens, 256), _item(1.0, tokens, 256)
+    assert prefix.ideal_hits([first, again], block=128) == [0, 128]
+
+
+def test_drift_point_is_the_groups_common_prefix():
+    base = list(range(200))
+    items = [_item(float(i), base[:150] + [900 + i] + base[151:], 200) for i in range(3)]
+    assert prefix.drift_point(items) == (150, "0")
+    same = [_item(float(i), base + [900 + i], 200) for i in range(3)]
+    assert prefix.drift_point(same) is None
+
+
+def _sample(t: float, **values: float) -> MetricsSample:
+    return MetricsSample(t=t, values=dict(values))
+
+
+def test_kv_step_classes():
+    cfg = KvExhaustionConfig(steps=[1, 2], step_s=10)
+    ok = kv.StepResult(0, 1, 0, 10, 5, 0, 0.1, 0.1, 10, 0, 1, 0.3, 0)
+    kv_bound = kv.StepResult(1, 2, 10, 20, 5, 0, 0.1, 0.1, 10, 2, 2, 0.95, 0)
+    preempt = kv.StepResult(1, 2, 10, 20, 5, 0, 0.1, 0.1, 10, 0, 2, 0.5, 1)
+    seq = kv.StepResult(1, 2, 10, 20, 5, 0, 0.1, 0.1, 10, 3, 1, 0.4, 0)
+    compute = kv.StepResult(1, 2, 10, 20, 5, 0, 0.1, 0.1, 10, 3, 2, 0.4, 0)
+    failing = kv.StepResult(1, 2, 10, 20, 10, 5, 0.1, 0.1, 10, 0, 2, 0.4, 0)
+    assert kv.classify(ok, None, cfg) == kv.OK
+    assert kv.classify(kv_bound, ok, cfg) == kv.KV_BOUND
+    assert kv.classify(preempt, ok, cfg) == kv.KV_BOUND
+    assert kv.classify(seq, ok, cfg) == kv.SEQ_BOUND
+    assert kv.classify(compute, ok, cfg) == kv.COMPUTE_BOUND
+    assert kv.classify(failing, ok, cfg) == kv.FAILING
+
+
+def test_predicted_concurrency_from_cache_config():
+    sample = MetricsSample(t=0, cache_config={"num_gpu_blocks": "12", "block_size": "128"})
+    # 465 tokens → 4 blocks; 11 usable blocks (block 0 is vLLM's null block) → 2 requests
+    assert kv.predicted_concurrency(sample, 465)["predicted_max_concurrency"] == 2
+
+
+def test_bootstrap_ci_brackets_a_known_shift():
+    rng = random.Random(1)
+    base = [rng.gauss(1.0, 0.05) for _ in range(200)]
+    cand = [x * 1.5 for x in base]
+    point, low, high = bootstrap_relative_change(base, cand, lambda xs: percentile(xs, 50))
+    assert point == pytest.approx(0.5, abs=1e-9)
+    assert low < 0.5 < high or low == pytest.approx(0.5)
+    same = bootstrap_relative_change(base, base, lambda xs: percentile(xs, 50))
+    assert same is not None and same[1] <= 0 <= same[2]
+
+
+def test_ttft_regression_attributed_to_queueing():
+    cfg = TtftRegressionConfig(resamples=200)
+    rng = random.Random(2)
+
+    def summary(queue: float, rate: float) -> dict:
+        ttfts = [0.05 + queue + rng.uniform(0, 0.01) for _ in range(60)]
+        return {"rate_rps": rate, "arrival_rate_rps": rate, "completion_rate_rps": 1.0,
+                "samples": {"ttft_s": ttfts, "itl_mean_s": [0.01] * 60, "e2e_s": [1.0] * 60},
+                "intervals": {"queue": [(queue * 3, 3)] * 20, "prefill": [(0.15, 3)] * 20,
+                              "ttft": [((0.05 + queue) * 3, 3)] * 20}}
+
+    table, verdicts = ttft.compare(cfg, summary(0.0, 0.5), summary(0.5, 4.0))
+    assert verdicts[0].problem == "ttft-regression" and verdicts[0].cause == "queueing"
+    assert table["ttft_p50"]["regressed"]
+    _, same = ttft.compare(cfg, summary(0.0, 0.5), summary(0.0, 0.5))
+    assert same[0].problem == "healthy"

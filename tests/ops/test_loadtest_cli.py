@@ -1,0 +1,71 @@
+"""`kvops loadtest` and `kvops diagnose` refuse bad input with one line and exit 2, before any
+process starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvops.ops.cli.main import app
+
+URL = "http://127.0.0.1:9"  # nothing listens: bad input must be caught before any connection
+
+
+def _run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_unknown_scenario():
+    res = _run("loadtest", "oom", "--url", URL)
+    assert res.exit_code == 2
+    assert "unknown scenario 'oom'" in res.output
+
+
+def test_scenario_file_with_unknown_key_names_key_and_file(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("steps: [1, 2]\nstepz: 3\n")
+    res = _run("loadtest", "kv-exhaustion", "--url", URL, "--scenario-file", str(path))
+    assert res.exit_code == 2
+    assert "stepz" in res.output and str(path) in res.output
+
+
+@pytest.mark.parametrize(("line", "expected"), [
+    ('{"model": "m"}', "neither 'prompt' nor 'messages'"),
+    ("not json", "not JSON"),
+])
+def test_bad_dataset_line(tmp_path, line, expected):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "ok"}) + "\n" + line + "\n")
+    res = _run("loadtest", "prefix-miss", "--url", URL, "--dataset", str(path))
+    assert res.exit_code == 2
+    assert expected in res.output and str(path) in res.output
+
+
+def test_rate_only_for_ttft_regression():
+    res = _run("loadtest", "kv-exhaustion", "--url", URL, "--rate", "2")
+    assert res.exit_code == 2
+    assert "--rate applies to ttft-regression only" in res.output
+
+
+def test_baseline_must_be_a_ttft_result(tmp_path):
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"scenario": "prefix-miss", "verdicts": []}))
+    res = _run("loadtest", "ttft-regression", "--url", URL, "--baseline", str(path))
+    assert res.exit_code == 2
+    assert "not a ttft-regression result" in res.output
+
+
+def test_diagnose_bad_result_file(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text("{}")
+    res = _run("diagnose", "--url", URL, "--result", str(path))
+    assert res.exit_code == 2
+    assert "no 'verdicts' list" in res.output
+
+
+def test_diagnose_unreachable_server_is_an_error_not_a_traceback():
+    res = _run("diagnose", "--url", URL, "--window", "0")
+    assert res.exit_code == 1
+    assert "cannot read" in res.output and "Traceback" not in res.output
