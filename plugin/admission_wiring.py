@@ -1,0 +1,98 @@
+"""Switching KV-budget admission on, from the front-end config hook (kvops.plugin.hooks).
+
+Decision on ``--scheduler-cls``: when the user gave none, we set ours (the sync or async variant
+matching ``scheduler_config.async_scheduling``, which is final here: this runs after the
+platform's ``check_and_update_config``, vllm/config/vllm.py:1991, and the CPU platform forces
+async off there, vllm/platforms/cpu.py:329-331). When the user gave another class we refuse to
+start: silently replacing a custom scheduler, or running admission without its gate, would both
+be wrong. The front door (kvops.plugin.admission_http) is installed in this process, which is
+the API server for ``vllm serve``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvops.plugin.admission_settings import SCHEDULER_CLASSES, AdmissionSettings
+from kvops.plugin.errors import KvopsPluginError
+
+_WRAPPED_MARK = "_kvops_admission_wrapped"
+
+
+def configure(vllm_config: Any, settings: AdmissionSettings) -> None:
+    if not settings.enabled:
+        return
+    scheduler_config = vllm_config.scheduler_config
+    wanted = SCHEDULER_CLASSES[bool(scheduler_config.async_scheduling)]
+    given = scheduler_config.scheduler_cls
+    given_name = given if isinstance(given, str) or given is None else f"{given.__module__}.{given.__qualname__}"
+    if given_name is None:
+        scheduler_config.scheduler_cls = wanted
+    elif given_name != wanted:
+        mode = "on" if scheduler_config.async_scheduling else "off"
+        raise KvopsPluginError(
+            f"kvops admission needs --scheduler-cls {wanted} (async scheduling is {mode}), "
+            f"got {given_name}: drop --scheduler-cls to let kvops set it, or set "
+            '{"kvops": {"admission": {"policy": "off"}}}'
+        )
+    from kvops.plugin import admission_http
+
+    admission_http.install(settings)
+    install_front_door_hooks()
+
+
+def install_front_door_hooks() -> None:
+    """Wrap vLLM's render step of completions and chat, and add the Retry-After middleware."""
+    from vllm.entrypoints.launchers import app as app_module
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    # vllm/entrypoints/openai/completion/serving.py:88 returns list[EngineInput] | ErrorResponse.
+    _wrap_render(OpenAIServingCompletion, "render_completion_request", lambda result: result)
+    # vllm/entrypoints/openai/chat_completion/serving.py:258 returns (conversation, inputs).
+    _wrap_render(OpenAIServingChat, "render_chat_request", lambda result: result[1])
+    # vllm/entrypoints/launchers/app.py:54: build_app looks this name up in its module at call
+    # time, after attach_endpoint_plugins, so what we add here is the outermost middleware.
+    original = app_module.init_entrypoints_middleware
+    if getattr(original, _WRAPPED_MARK, False):
+        return
+
+    def init_entrypoints_middleware(args: Any, app: Any, *rest: Any, **kwargs: Any) -> Any:
+        from kvops.plugin.admission_http import RetryAfterMiddleware
+
+        result = original(args, app, *rest, **kwargs)
+        app.add_middleware(RetryAfterMiddleware)
+        return result
+
+    setattr(init_entrypoints_middleware, _WRAPPED_MARK, True)
+    app_module.init_entrypoints_middleware = init_entrypoints_middleware
+
+
+def _wrap_render(cls: type, name: str, inputs_of: Any) -> None:
+    original = getattr(cls, name)
+    if getattr(original, _WRAPPED_MARK, False):
+        return
+
+    async def render(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        from kvops.plugin.admission_http import decide
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        result = await original(self, request, *args, **kwargs)
+        if isinstance(result, ErrorResponse):
+            return result
+        rejection = decide(self, request, list(inputs_of(result)))
+        return result if rejection is None else rejection
+
+    setattr(render, _WRAPPED_MARK, True)
+    setattr(cls, name, render)
+
+
+def install_in_api_server(vllm_config: Any, settings: AdmissionSettings | None) -> None:
+    """From the stat logger (built by AsyncLLM in every API-server process, also with
+    --api-server-count > 1 where the config hook ran elsewhere): make sure the door is here."""
+    if settings is None or not settings.enabled:
+        return
+    from kvops.plugin import admission_http
+
+    admission_http.install(settings)
+    install_front_door_hooks()
