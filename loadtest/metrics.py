@@ -140,3 +140,22 @@ def cache_int(sample: MetricsSample, key: str) -> int | None:
 def prefix_caching_enabled(sample: MetricsSample) -> bool | None:
     value = sample.cache_config.get("enable_prefix_caching")
     return None if value is None else value == "True"
+
+
+def bucket_quantile(first: MetricsSample, last: MetricsSample, q: float) -> float | None:
+    """Quantile (0..1) of the TTFT histogram's increase, linear within a bucket, as PromQL's
+    histogram_quantile does; vLLM's buckets are coarse, so this is an estimate."""
+    before = dict(first.ttft_buckets)
+    rows = [(le, count - before.get(le, 0.0)) for le, count in last.ttft_buckets]
+    total = rows[-1][1] if rows else 0.0
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le, cumulative in rows:
+        if cumulative >= rank:
+            if le == float("inf"):
+                return lower
+            inside = cumulative - below
+            return lower + (le - lower) * ((rank - below) / inside if inside else 0.0)
+        lower, below = le, cumulative
+    return lower

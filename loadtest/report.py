@@ -96,7 +96,7 @@ def write_html(result: dict[str, Any], records: list[RequestRecord], samples: li
               "<h2>Client</h2>", _kv(result["client"])]
     if "steps" in result:
         cols = ("users", "requests", "errors", "ttft_p50_s", "ttft_p99_s", "tokens_per_s",
-                "waiting_max", "running_max", "kv_usage_max", "preemptions", "classification")
+                "waiting_max", "waiting_fraction", "running_max", "kv_usage_max", "preemptions", "classification")
         parts += ["<h2>Steps</h2>", _table([{c: s[c] for c in cols} for s in result["steps"]])]
     if "prefix" in result:
         parts += ["<h2>Prefix cache</h2>", _kv(result["prefix"])]

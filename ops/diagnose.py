@@ -66,7 +66,9 @@ def diagnose_samples(first: Any, last: Any) -> list[Verdict]:
     from kvops.loadtest.metrics import delta, hist_mean, prefix_caching_enabled
 
     verdicts: list[Verdict] = []
-    waiting = max(first.get("waiting"), last.get("waiting"))
+    # a request passing through the queue between two steps is not a queue: only waiting seen
+    # in both samples counts
+    waiting = min(first.get("waiting"), last.get("waiting"))
     usage = max(first.get("kv_usage"), last.get("kv_usage"))
     preempted = delta(first, last, "preemptions")
     running = last.get("running")

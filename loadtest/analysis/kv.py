@@ -21,6 +21,7 @@ from kvops.ops.diagnose import Verdict, healthy
 
 OK, KV_BOUND, SEQ_BOUND, COMPUTE_BOUND, FAILING = (
     "ok", "kv-capacity", "max-num-seqs", "compute-bound", "failing")
+QUEUED_FRACTION = 0.3
 
 
 @dataclass
@@ -35,6 +36,8 @@ class StepResult:
     ttft_p99_s: float | None
     tokens_per_s: float
     waiting_max: float
+    waiting_fraction: float
+    """Share of the step's samples with a request waiting: one sample is a transient."""
     running_max: float
     kv_usage_max: float
     preemptions: float
@@ -60,6 +63,7 @@ def measure_step(index: int, users: int, start: float, end: float, config: KvExh
         ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
         tokens_per_s=sum(r.completion_tokens or 0 for r in done) / max(end - settled, 1e-9),
         waiting_max=max((s.get("waiting") for s in in_step), default=0.0),
+        waiting_fraction=sum(1 for s in in_step if s.get("waiting") >= 1) / max(len(in_step), 1),
         running_max=max((s.get("running") for s in in_step), default=0.0),
         kv_usage_max=max((s.get("kv_usage") for s in in_step), default=0.0),
         preemptions=delta(edge[0], edge[-1], "preemptions") if len(edge) >= 2 else 0.0,
@@ -69,9 +73,10 @@ def measure_step(index: int, users: int, start: float, end: float, config: KvExh
 def classify(step: StepResult, previous: StepResult | None, config: KvExhaustionConfig) -> str:
     if step.requests and step.errors >= 2 and step.errors / step.requests > config.error_rate_failing:
         return FAILING
-    if step.preemptions > 0 or (step.waiting_max >= 1 and step.kv_usage_max >= config.kv_usage_bound):
+    queued = step.waiting_fraction >= QUEUED_FRACTION
+    if step.preemptions > 0 or (queued and step.kv_usage_max >= config.kv_usage_bound):
         return KV_BOUND
-    if step.waiting_max >= 1:
+    if queued:
         plateau = previous is not None and previous.running_max >= step.running_max
         return SEQ_BOUND if plateau else COMPUTE_BOUND
     return OK

@@ -126,10 +126,10 @@ def _verdict(s: dict[str, Any], items: list[PrefixTokens], samples: list[Metrics
     if drift is not None:
         index, group = drift
         member = next(i for i in items if i.record.group == group)
-        window = member.tokens[max(0, index - 8): index + 8]
         return Verdict("prefix-miss", "prefix-drift", {
             **s, "first_differing_token": index, "group": group,
-            "around_first_difference": tokenizer.text(window),
+            "text_before": tokenizer.text(member.tokens[max(0, index - 12):index]),
+            "text_from": tokenizer.text(member.tokens[index:index + 6]),
         }, f"prompts of group {group} differ from token {index} on, inside the part meant to be "
            "shared: move per-request fields (timestamps, ids) after the shared prefix or make the "
            "template deterministic (runbooks/prefix-miss.md)")

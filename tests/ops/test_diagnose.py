@@ -1,0 +1,65 @@
+"""Live diagnosis rules on two /metrics samples, and verdicts read back from a result file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kvops.loadtest.metrics import MetricsSample
+from kvops.ops.diagnose import PROBLEMS, Verdict, diagnose_samples, merge, verdicts_from_result
+
+
+def _pair(cache: dict[str, str] | None = None, **last: float) -> tuple[MetricsSample, MetricsSample]:
+    first = MetricsSample(t=0.0, values={"preemptions": 5.0, "queue_sum": 0.0, "queue_count": 0.0,
+                                         "ttft_sum": 0.0, "ttft_count": 0.0,
+                                         "waiting": last.get("waiting", 0.0)})
+    values = {"preemptions": 5.0, **last}
+    return first, MetricsSample(t=5.0, values=values, cache_config=cache or {})
+
+
+def _causes(verdicts: list[Verdict]) -> list[tuple[str, str]]:
+    return [(v.problem, v.cause) for v in verdicts]
+
+
+def test_idle_server_is_healthy():
+    assert _causes(diagnose_samples(*_pair())) == [("healthy", "none")]
+
+
+def test_preemptions_in_the_window_mean_kv_capacity():
+    verdicts = diagnose_samples(*_pair(preemptions=9.0, kv_usage=0.97, running=4))
+    assert _causes(verdicts) == [("kv-exhaustion", "kv-capacity")]
+    assert verdicts[0].evidence["preemptions_in_window"] == 4
+
+
+def test_a_request_seen_waiting_once_is_not_a_queue():
+    first, last = _pair(waiting=2, kv_usage=0.2)
+    first.values["waiting"] = 0.0
+    assert _causes(diagnose_samples(first, last)) == [("healthy", "none")]
+
+
+def test_waiting_with_free_kv_is_compute_bound():
+    assert _causes(diagnose_samples(*_pair(waiting=3, kv_usage=0.2))) == [
+        ("kv-exhaustion", "compute-bound")]
+
+
+def test_prefix_caching_off_and_queueing():
+    first, last = _pair({"enable_prefix_caching": "False"}, waiting=2, kv_usage=0.95,
+                        queue_sum=8.0, queue_count=10.0, ttft_sum=10.0, ttft_count=10.0)
+    assert _causes(diagnose_samples(first, last)) == [
+        ("kv-exhaustion", "kv-capacity"), ("prefix-miss", "prefix-caching-disabled"),
+        ("ttft-regression", "queueing")]
+
+
+def test_verdict_slugs_are_the_designed_ones():
+    with pytest.raises(ValueError, match="bad verdict"):
+        Verdict("kv-exhaustion", "oom")
+    assert set(PROBLEMS) == {"kv-exhaustion", "prefix-miss", "ttft-regression", "offload", "healthy"}
+
+
+def test_result_file_verdicts_win_over_a_healthy_live_read(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"verdicts": [{"problem": "prefix-miss", "cause": "prefix-drift",
+                                              "evidence": {"first_differing_token": 40},
+                                              "next": "fix the template"}]}))
+    merged = merge(diagnose_samples(*_pair()), verdicts_from_result(path))
+    assert _causes(merged) == [("prefix-miss", "prefix-drift")]
