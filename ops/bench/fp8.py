@@ -1,0 +1,120 @@
+"""``kvops bench fp8 --json``: fp8 KV capacity and accuracy, scale 1.0 vs calibrated, against
+bf16 KV, side by side on the same tiny models in one run.
+
+Per model three real servers run one after another: bf16 KV with the plugin recording (it
+calibrates and is the accuracy reference), fp8 at scale 1.0, fp8 with the calibrated scales.
+Models: the ordinary tiny Llama, and the same function with K/V ×1000 (saturates e4m3 at
+scale 1.0) and ×0.001 (rounds into e4m3's subnormals) — see kvops.ops.models.kv_scaled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvops.ops.calibrate import (
+    CalibrationRequest,
+    collect_scales,
+    recording_server,
+    synthetic_prompts,
+)
+from kvops.ops.errors import KvopsError
+from kvops.ops.kv_accuracy import Drift, ScoredSequence, drift, score
+from kvops.ops.launch import ManagedServer, vllm_server
+
+BENCH_MODELS: tuple[tuple[str, float], ...] = (
+    ("ordinary", 1.0),
+    ("saturating-kv-x1000", 1000.0),
+    ("underflowing-kv-x0.001", 0.001),
+)
+CALIBRATION_PROMPTS = 8
+MAX_MODEL_LEN = 2048
+KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+@dataclass(frozen=True)
+class ModelRun:
+    name: str
+    bf16_tokens: int
+    fp8_tokens: int
+    scale1: Drift
+    calibrated: Drift
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "drift_scale1": self.scale1.mean_abs_logprob_delta,
+            "drift_calibrated": self.calibrated.mean_abs_logprob_delta,
+            "max_drift_scale1": self.scale1.max_abs_logprob_delta,
+            "max_drift_calibrated": self.calibrated.max_abs_logprob_delta,
+            "greedy_agreement_scale1": self.scale1.top1_agreement,
+            "greedy_agreement_calibrated": self.calibrated.top1_agreement,
+            "positions": self.calibrated.positions,
+            "bf16_kv_tokens": self.bf16_tokens,
+            "fp8_kv_tokens": self.fp8_tokens,
+        }
+
+
+def kv_tokens_from_log(log: str) -> int:
+    """The KV capacity the server itself logged (vllm/v1/core/kv_cache_utils.py:2316-2334)."""
+    match = KV_LINE.search(log)
+    if not match:
+        raise KvopsError("the server did not log its KV cache size")
+    return int(match.group(1).replace(",", ""))
+
+
+def measure_model(model_dir: Path, name: str, work: Path) -> ModelRun:
+    """Calibrate on a bf16 recording server, then score bf16 / fp8@1.0 / fp8@calibrated."""
+    req = CalibrationRequest(
+        model_dir=model_dir, prompts=synthetic_prompts(CALIBRATION_PROMPTS, seed=1),
+        max_model_len=MAX_MODEL_LEN,
+    )
+    with recording_server(req, work / f"{name}-bf16.log") as (server, record_dir):
+        scales = collect_scales(req, server.url, record_dir)
+        reference = score(server.url, str(model_dir))
+        bf16_tokens = kv_tokens_from_log(server.log_path.read_text())
+    scales_path = work / f"{name}-scales.json"
+    scales_path.write_text(json.dumps(scales.model_dump()))
+    scale1, fp8_tokens = _score_fp8(model_dir, work / f"{name}-fp8-scale1.log", None)
+    calibrated, _ = _score_fp8(model_dir, work / f"{name}-fp8-calibrated.log", scales_path)
+    return ModelRun(name, bf16_tokens, fp8_tokens, drift(reference, scale1), drift(reference, calibrated))
+
+
+def _score_fp8(model_dir: Path, log: Path, scales: Path | None) -> tuple[list[ScoredSequence], int]:
+    args = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-dtype", "fp8"]
+    if scales is not None:
+        args += ["--additional-config", json.dumps({"kvops": {"kv_scales": str(scales)}})]
+    server: ManagedServer = vllm_server(model_dir, args, log_path=log, name=log.stem)
+    try:
+        server.start()
+        return score(server.url, str(model_dir)), kv_tokens_from_log(server.log_path.read_text())
+    finally:
+        server.stop()
+
+
+def run(models: Sequence[tuple[str, float]] = BENCH_MODELS) -> dict[str, Any]:
+    from kvops.ops.models.kv_scaled import build_kv_scaled_model
+
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kvops-bench-fp8-") as tmp:
+        work = Path(tmp)
+        runs = [
+            measure_model(build_kv_scaled_model(work / name, factor), name, work)
+            for name, factor in models
+        ]
+    ratios = {r.fp8_tokens / r.bf16_tokens for r in runs}
+    return {
+        "capacity_ratio": min(ratios),
+        "models": [r.as_json() for r in runs],
+        "mean_drift_scale1": sum(r.scale1.mean_abs_logprob_delta for r in runs) / len(runs),
+        "mean_drift_calibrated": sum(r.calibrated.mean_abs_logprob_delta for r in runs) / len(runs),
+        "max_drift_scale1": max(r.scale1.max_abs_logprob_delta for r in runs),
+        "max_drift_calibrated": max(r.calibrated.max_abs_logprob_delta for r in runs),
+        "bench_seconds": round(time.monotonic() - started, 1),
+    }
