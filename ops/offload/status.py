@@ -1,0 +1,120 @@
+"""``kvops offload status``: what an LMCache server holds and how well it is hit.
+
+Reads the server's own HTTP API: /status (L1 and L2 usage and capacity) and /metrics (lookup,
+hit and eviction counters, research/lmcache.md §2 "MP metrics").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvops.ops.errors import KvopsError
+
+COUNTERS: dict[str, str] = {
+    "lookup_tokens": "lmcache_mp_lookup_requested_tokens_total",
+    "hit_tokens_l1": "lmcache_mp_lookup_hit_l1_tokens_total",
+    "hit_tokens_l2": "lmcache_mp_lookup_hit_l2_tokens_total",
+    "l1_write_chunks": "lmcache_mp_l1_write_chunks_total",
+    "l1_read_chunks": "lmcache_mp_l1_read_chunks_total",
+    "l1_evicted_chunks": "lmcache_mp_l1_evicted_chunks_total",
+    "l2_stored_chunks": "lmcache_mp_l2_store_completed_objects_chunks_total",
+    "l2_evicted_chunks": "lmcache_mp_l2_evicted_objects_chunks_total",
+}
+
+
+def fetch_status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """One JSON-able summary of the server at ``url`` (its HTTP API base)."""
+    base = url.rstrip("/")
+    try:
+        status = requests.get(base + "/status", timeout=timeout_s)
+        metrics = requests.get(base + "/metrics", timeout=timeout_s)
+    except requests.RequestException as exc:
+        raise KvopsError(
+            f"LMCache server not reachable at {base}: {type(exc).__name__}; start it with "
+            "`kvops offload serve`"
+        ) from None
+    if status.status_code != 200:
+        raise KvopsError(f"LMCache server at {base} answered /status with HTTP {status.status_code}")
+    return summarize(base, status.json(), metrics.text)
+
+
+def summarize(url: str, status: dict[str, Any], metrics_text: str) -> dict[str, Any]:
+    """Pure: the summary from a /status document and a /metrics text."""
+    manager = status.get("storage_manager", {})
+    l1 = manager.get("l1_manager", {})
+    l2 = [
+        {
+            "path": adapter.get("base_path"),
+            "type": adapter.get("type"),
+            "used_bytes": evict.get("total_bytes_used"),
+            "capacity_bytes": evict.get("total_capacity_bytes"),
+        }
+        for adapter, evict in zip(
+            manager.get("l2_adapters", []),
+            _padded(manager.get("l2_eviction_controller", {}).get("adapters", []),
+                    len(manager.get("l2_adapters", []))),
+            strict=True,
+        )
+    ]
+    counters = counter_values(metrics_text)
+    lookups = counters["lookup_tokens"]
+    hits = counters["hit_tokens_l1"] + counters["hit_tokens_l2"]
+    return {
+        "url": url,
+        "healthy": bool(status.get("is_healthy")),
+        "chunk_size": status.get("chunk_size"),
+        "l1": {
+            "used_bytes": l1.get("memory_used_bytes"),
+            "capacity_bytes": l1.get("memory_total_bytes"),
+            "objects": l1.get("total_object_count"),
+        },
+        "l2": l2,
+        "counters": counters,
+        "hit_ratio": (hits / lookups) if lookups else None,
+    }
+
+
+def _padded(items: list[dict[str, Any]], length: int) -> list[dict[str, Any]]:
+    return [*items[:length], *([{}] * (length - len(items)))]
+
+
+def counter_values(metrics_text: str) -> dict[str, float]:
+    """Our names for LMCache's counters, summed over their labels; absent counters are 0."""
+    wanted = {metric: ours for ours, metric in COUNTERS.items()}
+    values = dict.fromkeys(COUNTERS, 0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                values[wanted[sample.name]] += float(sample.value)
+    return values
+
+
+def render(summary: dict[str, Any]) -> str:
+    """Human-readable lines for a terminal."""
+    gib = float(1 << 30)
+    l1 = summary["l1"]
+    lines = [
+        f"LMCache server {summary['url']}: {'healthy' if summary['healthy'] else 'UNHEALTHY'}, "
+        f"chunk {summary['chunk_size']} tokens",
+        f"  L1 (DRAM): {(l1['used_bytes'] or 0) / gib:.3f} / {(l1['capacity_bytes'] or 0) / gib:.3f}"
+        f" GiB, {l1['objects']} chunks",
+    ]
+    for tier in summary["l2"]:
+        lines.append(
+            f"  L2 ({tier['type']} {tier['path']}): {(tier['used_bytes'] or 0) / gib:.3f} / "
+            f"{(tier['capacity_bytes'] or 0) / gib:.3f} GiB"
+        )
+    c = summary["counters"]
+    ratio = summary["hit_ratio"]
+    lines.append(
+        f"  lookups: {c['lookup_tokens']:.0f} tokens, hits L1 {c['hit_tokens_l1']:.0f} + "
+        f"L2 {c['hit_tokens_l2']:.0f} tokens"
+        + (f" ({ratio:.1%})" if ratio is not None else "")
+    )
+    lines.append(
+        f"  evicted chunks: L1 {c['l1_evicted_chunks']:.0f}, L2 {c['l2_evicted_chunks']:.0f}"
+    )
+    return "\n".join(lines)

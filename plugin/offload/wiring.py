@@ -1,0 +1,82 @@
+"""Front-end wiring: turn the kvops ``offload`` section into vLLM's kv_transfer_config.
+
+Runs inside the platform config hook (vllm/config/vllm.py:1991), before any engine process
+starts, so a wrong setup stops ``vllm serve`` at once instead of after LMCache's 300 s timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvops.plugin.errors import KvopsPluginError
+from kvops.plugin.offload import CONNECTOR_NAME
+from kvops.plugin.offload.preflight import (
+    check_disk_dir,
+    check_server,
+    check_shm,
+    fetch_server_config,
+)
+from kvops.plugin.offload.settings import OffloadSettings
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+KVOPS_EXTRA_KEY = "kvops.offload"
+"""Extra-config key that carries the settings to the connector and its metrics (all processes)."""
+
+
+def ensure_connector(vllm_config: Any, settings: OffloadSettings | None) -> None:
+    """With offload settings and no --kv-transfer-config, use our connector (one flag is enough).
+
+    Must run before vLLM's platform hook: the CPU platform sizes its core reservation from the
+    connector (vllm/platforms/cpu.py, "reserve one more core for nixl_connector").
+    """
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if settings is None:
+        if transfer is not None and transfer.kv_connector == CONNECTOR_NAME:
+            raise KvopsPluginError(
+                f"--kv-transfer-config names {CONNECTOR_NAME} but the kvops settings have no "
+                "'offload' section: add --additional-config '{\"kvops\": {\"offload\": {...}}}'"
+            )
+        return
+    if transfer is None:
+        from vllm.config import KVTransferConfig
+
+        vllm_config.kv_transfer_config = KVTransferConfig(
+            kv_connector=CONNECTOR_NAME, kv_role="kv_both"
+        )
+        return
+    if transfer.kv_connector != CONNECTOR_NAME:
+        raise KvopsPluginError(
+            f"kvops.offload is set but --kv-transfer-config uses {transfer.kv_connector!r}: use "
+            f'"kv_connector":"{CONNECTOR_NAME}" or drop the offload section'
+        )
+
+
+def configure(vllm_config: Any, settings: OffloadSettings) -> None:
+    """Preflight against the live server, then write the connector's extra config."""
+    block_size = int(vllm_config.cache_config.block_size)
+    if settings.disk_path is not None and settings.host in LOCAL_HOSTS:
+        check_disk_dir(settings.disk_path, settings.disk_gib)
+    if settings.transfer_mode == "lmcache_driven":
+        check_shm(getattr(vllm_config.cache_config, "kv_cache_memory_bytes", None))
+    server = fetch_server_config(settings)
+    check_server(settings, server, block_size)
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    derived: dict[str, Any] = {
+        "lmcache.mp.host": f"tcp://{settings.host}",
+        "lmcache.mp.port": settings.port,
+        "lmcache.mp.mq_timeout": settings.timeout_s,
+        "lmcache.mp.heartbeat_interval": settings.heartbeat_s,
+        "lmcache.mp.mp_transfer_mode": settings.transfer_mode,
+        "lmcache.mp.hash_algorithm": server.hash_algorithm,
+    }
+    for key, value in derived.items():
+        if key in extra and extra[key] != value:
+            raise KvopsPluginError(
+                f"kv_connector_extra_config {key}={extra[key]!r} contradicts the kvops offload "
+                f"settings ({value!r}): remove it and set kvops.offload instead"
+            )
+        extra[key] = value
+    extra[KVOPS_EXTRA_KEY] = settings.model_dump()
+    # An offload tier is a cache: a failed load must recompute, not fail the request
+    # (vllm/config/kv_transfer.py kv_load_failure_policy defaults to "fail").
+    vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"

@@ -1,0 +1,117 @@
+"""Offload settings and the front-end preflight checks, without servers.
+
+The server configurations below are trimmed copies of what a real `lmcache server` 0.5.6
+answers on GET /config and /config/adapters (captured from `kvops offload serve`)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvops.plugin.errors import KvopsPluginError
+from kvops.plugin.offload.preflight import ServerConfig, check_disk_dir, check_server, check_shm
+from kvops.plugin.offload.settings import OffloadSettings
+from kvops.plugin.settings import load_settings
+
+REAL_CONFIG: dict[str, Any] = {
+    "mp": {"transport": "zmq", "host": "127.0.0.1", "port": 25555, "chunk_size": 256,
+           "hash_algorithm": "blake3", "supported_transfer_mode": "auto"},
+    "storage_manager": {"l2_adapter_config": {"adapters": [{
+        "base_path": "/tmp/o5/l2", "num_workers": 2, "relative_tmp_dir": "", "use_odirect": False,
+        "read_ahead_size": None, "max_capacity_gb": 0.1, "affinity_tag": "_default",
+        "shared": False,
+        "eviction_config": "EvictionConfig(eviction_policy='LRU', trigger_watermark=0.8, "
+                           "eviction_ratio=0.2, extra_logging_enabled=False, extra_logging_interval=10.0)",
+        "persist_config": "PersistConfig(persist_enabled=True)", "serde_config": None,
+    }]}},
+}
+REAL_ADAPTERS = {"adapters": [{"index": 0, "type_name": "fs_native", "tier": "l2",
+                               "primary": True, "reconfigurable": False}]}
+
+
+def server(**mp: Any) -> ServerConfig:
+    config = copy.deepcopy(REAL_CONFIG)
+    config["mp"].update(mp)
+    return ServerConfig.from_json(config, REAL_ADAPTERS)
+
+
+def settings(**kw: Any) -> OffloadSettings:
+    return OffloadSettings(**{"port": 25555, "disk_path": "/tmp/o5/l2", "disk_gib": 0.1, **kw})
+
+
+def test_matching_server_passes():
+    check_server(settings(), server(), block_size=128)
+
+
+@pytest.mark.parametrize(
+    ("server_mp", "ours", "expected"),
+    [
+        ({"port": 5555}, {}, "serves KV on port 5555 but kvops.offload.port is 25555"),
+        ({"supported_transfer_mode": "lmcache_driven"}, {}, "would hang for 300 s"),
+        ({"supported_transfer_mode": "engine_driven"}, {"transfer_mode": "lmcache_driven"},
+         "accepts only transfer mode 'engine_driven'"),
+        ({"chunk_size": 512}, {}, "uses chunk size 512 but kvops.offload.chunk_size is 256"),
+        ({"chunk_size": 200}, {"chunk_size": 200}, "not a multiple of vLLM's block size 128"),
+        ({}, {"disk_gib": 0.5}, "caps /tmp/o5/l2 at 0.1 GiB but kvops.offload.disk_gib is 0.5"),
+        ({}, {"disk_path": "/elsewhere"}, "has no disk tier at /elsewhere"),
+    ],
+    ids=["port", "mode-server-lmcache", "mode-server-engine", "chunk", "chunk-block", "cap", "path"],
+)
+def test_mismatched_server_is_refused_with_the_reason(server_mp, ours, expected):
+    with pytest.raises(KvopsPluginError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        check_server(settings(**ours), server(**server_mp), block_size=128)
+
+
+def test_disk_tier_without_eviction_is_refused():
+    adapters = {"adapters": [{**REAL_ADAPTERS["adapters"][0], "type_name": "fs"}]}
+    config = copy.deepcopy(REAL_CONFIG)
+    config["storage_manager"]["l2_adapter_config"]["adapters"][0]["eviction_config"] = None
+    with pytest.raises(KvopsPluginError, match="without eviction"):
+        check_server(settings(), ServerConfig.from_json(config, adapters), block_size=128)
+
+
+def test_disk_dir_checks_use_the_real_filesystem(tmp_path: Path):
+    check_disk_dir(str(tmp_path / "new" / "dir"), 0.001)
+    assert (tmp_path / "new" / "dir").is_dir()
+    assert not list((tmp_path / "new" / "dir").iterdir())  # the probe file is gone
+    with pytest.raises(KvopsPluginError, match="is not writable"):
+        check_disk_dir("/proc/kvops-offload", None)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(KvopsPluginError, match="is not writable"):
+        check_disk_dir(str(blocker / "sub"), None)
+    with pytest.raises(KvopsPluginError, match="GiB free"):
+        check_disk_dir(str(tmp_path), 1e9)
+
+
+def test_shm_check_compares_with_the_real_free_space(tmp_path: Path):
+    check_shm(1 << 20, shm=tmp_path)
+    with pytest.raises(KvopsPluginError, match="enlarge"):
+        check_shm(1 << 60, shm=tmp_path)
+    with pytest.raises(KvopsPluginError, match="--kv-cache-memory-bytes"):
+        check_shm(None, shm=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("offload", "expected"),
+    [
+        ({"disk_gib": 1}, "disk_gib is set but disk_path is not"),
+        ({"disk_path": "/tmp/x"}, "disk_path is set but disk_gib is not"),
+        ({"transfer_mode": "auto"}, "offload.transfer_mode"),
+        ({"nope": 1}, "unknown key 'offload.nope'"),
+        ({"timeout_s": 0}, "offload.timeout_s"),
+    ],
+)
+def test_bad_offload_settings_name_the_field(offload, expected):
+    with pytest.raises(KvopsPluginError, match=expected):
+        load_settings({"kvops": {"offload": offload}})
+
+
+def test_offload_settings_switch_the_feature_on():
+    parsed = load_settings({"kvops": {"offload": {}}})
+    assert parsed is not None
+    assert "offload" in parsed.features()
+    assert parsed.offload == OffloadSettings()
