@@ -121,23 +121,26 @@ class FrontDoor:
         )
 
     def queue_state(self, policy: AdmissionPolicy, states: Iterable[Any]) -> QueueState:
-        """Accepted-not-started requests and their worst-case KV; also publishes reservations."""
-        queued = queued_tokens = reserved = 0
-        for st in states:
+        """Requests held back by the KV budget (not merely in prefill), their worst-case KV,
+        and the drain rate; also publishes the gauges."""
+        started: list[RequestShape] = []
+        pending: list[RequestShape] = []
+        for st in states:  # dict order = arrival order
             shape = RequestShape(st.prompt_len, st.max_tokens_param)
-            if st.is_prefilling:
-                queued += 1
-                queued_tokens += policy.request_kv_tokens(shape)
-            else:
-                reserved += policy.reserve_blocks(shape)
-        metrics.gauge("kvops_admission_queued_requests", "Requests accepted, no first token yet").set(queued)
+            (pending if st.is_prefilling else started).append(shape)
+        waiting = policy.waiting_behind_budget(started, pending)
+        queued_tokens = sum(policy.request_kv_tokens(s) for s in waiting)
+        reserved = sum(policy.reserve_blocks(s) for s in started)
+        metrics.gauge(
+            "kvops_admission_queued_requests", "Requests accepted and held back by the KV budget"
+        ).set(len(waiting))
         metrics.gauge(
             "kvops_admission_queued_kv_tokens", "Worst-case KV tokens of queued requests"
         ).set(queued_tokens)
         metrics.gauge(
             "kvops_admission_reserved_blocks", "KV blocks reserved by started requests (policy)"
         ).set(reserved)
-        return QueueState(queued, queued_tokens, self.drain.rate(self._clock()))
+        return QueueState(len(waiting), queued_tokens, self.drain.rate(self._clock()))
 
     def on_step(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         """Per engine step (stat-logger ``record``): drain rate, learning, used blocks."""

@@ -186,6 +186,25 @@ class AdmissionPolicy:
             f"{limit} KV tokens per request; lower max_tokens or n"
         )
 
+    def waiting_behind_budget(
+        self, started: list[RequestShape], pending: list[RequestShape]
+    ) -> list[RequestShape]:
+        """Which of the ``pending`` requests (in arrival order) the scheduler will hold back.
+
+        The front end cannot see the engine's queue, only which requests have produced a first
+        token (``started``). Replaying the scheduler's own rule over them in FCFS order tells a
+        request that is merely in prefill (it fits, it will start) from one that waits for KV.
+        """
+        reserved = sum(self.reserve_blocks(s) for s in started)
+        running = len(started)
+        for i, shape in enumerate(pending):
+            decision = self.admit(shape, reserved, running)
+            if not decision.admit:
+                return pending[i:]  # FCFS: everything behind the first held-back request waits
+            reserved += decision.need_blocks
+            running += 1
+        return []
+
     def record_finished(self, output_tokens: int) -> None:
         """Learn from a request that finished normally (stopped or length-capped).
 
@@ -288,11 +307,13 @@ def queue_decision(
         per_request = state.queued_kv_tokens / state.queued_requests
         over = state.queued_kv_tokens + request_kv_tokens - budget.max_queued_kv_tokens
         excess_requests = over / max(per_request, 1.0)
-    elif budget.max_queue_wait_s is not None and wait > budget.max_queue_wait_s:
+    elif (
+        budget.max_queue_wait_s is not None
+        and state.drain_rps > 0.0  # no finish seen yet: no prediction, the other limits apply
+        and wait > budget.max_queue_wait_s
+    ):
         reason = "queue_wait"
-        excess_requests = (
-            (wait - budget.max_queue_wait_s) * state.drain_rps if math.isfinite(wait) else 1.0
-        )
+        excess_requests = (wait - budget.max_queue_wait_s) * state.drain_rps
     if reason == "ok":
         return QueueDecision(True, reason, wait, 0)
     return QueueDecision(False, reason, wait, retry_after_s(excess_requests, state.drain_rps, budget))

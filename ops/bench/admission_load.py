@@ -125,3 +125,26 @@ def scrape_counter(url: str, name: str) -> float:
         if line.startswith(name) and (line[len(name)] in " {"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def closed_loop(
+    url: str, body: dict[str, Any], concurrency: int, per_worker: int, timeout_s: float = 300.0
+) -> tuple[list[Outcome], float]:
+    """``concurrency`` workers each send ``per_worker`` requests back to back; returns the
+    outcomes and the wall time, for throughput at a load the server can carry."""
+    results: list[Outcome] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(per_worker):
+            outcome = stream_completion(url, body, timeout_s)
+            with lock:
+                results.append(outcome)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(per_worker * timeout_s)
+    return results, time.perf_counter() - start

@@ -273,8 +273,8 @@ def test_queue_decision_respects_every_limit(queued, kv, drain, n, max_req, max_
     d = queue_decision(budget, state, n, request_kv_tokens=n * 100)
     over_requests = max_req is not None and queued + n > max_req
     over_kv = max_kv is not None and queued > 0 and state.queued_kv_tokens + n * 100 > max_kv
-    wait = 0.0 if queued == 0 else (math.inf if drain <= 0 else (queued + n) / drain)
-    over_wait = max_wait is not None and wait > max_wait
+    # No drain measured yet: no wait prediction, so only the other limits can refuse.
+    over_wait = max_wait is not None and queued > 0 and drain > 0 and (queued + n) / drain > max_wait
     assert d.admit == (not (over_requests or over_kv or over_wait))
     if not d.admit:
         assert 1 <= d.retry_after_s <= retry_max
@@ -294,3 +294,14 @@ def test_drain_rate_counts_finishes_in_its_window():
     # finishes at t=9..19 remain (t >= 19 - 10): 11 stamps x 2 over a 10 s span
     assert rate.rate(19.0) == pytest.approx(22 / 10.0)
     assert rate.rate(100.0) == 0.0
+
+
+def test_requests_in_prefill_that_fit_are_not_counted_as_waiting():
+    policy = AdmissionPolicy(KVBudget(usable_blocks=10, block_size=BLOCK, max_model_len=160), "strict")
+    four = RequestShape(prompt_tokens=10, max_tokens=54)  # 64 tokens: 4 blocks
+    # 4 blocks started + 4 pending fit in 10; the next 4-block request does not, nor the 1-block
+    # request behind it (FCFS).
+    small = RequestShape(prompt_tokens=1, max_tokens=1)
+    waiting = policy.waiting_behind_budget([four], [four, four, small])
+    assert waiting == [four, small]
+    assert policy.waiting_behind_budget([], [four, four]) == []

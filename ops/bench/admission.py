@@ -1,0 +1,152 @@
+"""``kvops bench admission``: the same overload against stock vLLM and against kvops admission.
+
+One tiny model, one deliberately small KV cache (16 usable blocks of 128 tokens), two servers
+started one after the other with identical flags except the kvops settings. Each gets a normal
+load (within capacity: the policy's cost on throughput) and then an overload (arrivals well above
+what the cache can decode at once, long fixed-length outputs, plus a few requests that can never
+fit). Reported: preemptions from vLLM's own counter, every request's fate as the client saw it,
+TTFT of the successes, and goodput = successes within the TTFT SLO per second of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvops.ops.bench.admission_load import Outcome, closed_loop, open_loop, scrape_counter
+from kvops.ops.launch import vllm_server
+from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
+
+BLOCK_TOKENS = 128  # the CPU platform's block size (vllm/platforms/cpu.py:292-293)
+KV_BLOCKS = 17  # 16 usable + vLLM's null block
+BYTES_PER_TOKEN = 2 * 4 * 2 * 64 * 2  # K+V x layers x kv heads x head_dim x bf16 (tiny default)
+MAX_MODEL_LEN = 1024
+SERVER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "32")
+# 241 tokens with the tiny model's tokenizer: a preempted request recomputes a real prefill.
+PROMPT = "the cache holds keys and values for every token it has seen so far " * 12
+
+
+@dataclass(frozen=True)
+class Load:
+    requests: int
+    rate_rps: float
+    max_tokens: int
+    never_fits_every: int = 0
+    """Every k-th request asks for n=3 x max_model_len: more KV than the whole cache."""
+
+    def bodies(self, model: str) -> list[dict[str, Any]]:
+        out = []
+        for i in range(self.requests):
+            body: dict[str, Any] = {
+                "model": model, "prompt": PROMPT, "max_tokens": self.max_tokens,
+                "temperature": 0, "ignore_eos": True,
+            }
+            if self.never_fits_every and i % self.never_fits_every == self.never_fits_every - 1:
+                body.update(prompt="hello", n=3, max_tokens=MAX_MODEL_LEN - 24)
+            out.append(body)
+        return out
+
+    def arrivals(self) -> list[float]:
+        return [i / self.rate_rps for i in range(self.requests)]
+
+
+NORMAL_CONCURRENCY = 3  # 3 x 3 blocks (prompt + 100 tokens): inside 16 blocks, nothing waits
+NORMAL_PER_WORKER = 3
+NORMAL_MAX_TOKENS = 100
+OVERLOAD = Load(requests=60, rate_rps=2.0, max_tokens=150, never_fits_every=30)
+TTFT_SLO_S = 10.0
+KVOPS_SETTINGS = {"admission": {"policy": "strict", "max_queue_wait_s": 4.0}}
+
+
+def summarize(outcomes: Sequence[Outcome], span_s: float, preemptions: float) -> dict[str, Any]:
+    ok = [o for o in outcomes if o.status == 200 and o.finished]
+    ttfts = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
+    good = [t for t in ttfts if t <= TTFT_SLO_S]
+    return {
+        "preemptions": int(preemptions),
+        "answered": sum(1 for o in outcomes if not o.lost),
+        "lost": sum(1 for o in outcomes if o.lost),
+        "ok": len(ok),
+        "rejected_429": sum(1 for o in outcomes if o.status == 429),
+        "rejected_400": sum(1 for o in outcomes if o.status == 400),
+        "other_status": sorted({o.status for o in outcomes} - {0, 200, 400, 429}),
+        "ttft_p50_s": _quantile(ttfts, 0.5),
+        "ttft_p99_s": _quantile(ttfts, 0.99),
+        "goodput_rps": len(good) / span_s if span_s > 0 else 0.0,
+        "tokens_per_s": sum(o.output_tokens for o in ok) / span_s if span_s > 0 else 0.0,
+        "span_s": span_s,
+    }
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def measure(url: str, model: str, load: Load) -> dict[str, Any]:
+    before = scrape_counter(url, "vllm:num_preemptions_total")
+    start = time.perf_counter()
+    outcomes = open_loop(url, load.bodies(model), load.arrivals())
+    span = time.perf_counter() - start
+    after = scrape_counter(url, "vllm:num_preemptions_total")
+    return summarize(outcomes, span, after - before)
+
+
+def normal_throughput(url: str, model: str) -> dict[str, Any]:
+    """Tokens/s with a closed loop inside capacity: what the policy costs when it refuses nothing."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": NORMAL_MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    outcomes, wall_s = closed_loop(url, body, NORMAL_CONCURRENCY, NORMAL_PER_WORKER)
+    ok = [o for o in outcomes if o.status == 200 and o.finished]
+    return {"ok": len(ok), "requests": len(outcomes), "wall_s": wall_s,
+            "tokens_per_s": sum(o.output_tokens for o in ok) / wall_s}
+
+
+def run_server(name: str, model: Path, workdir: Path, settings: dict[str, Any] | None) -> dict[str, Any]:
+    args = list(SERVER_ARGS)
+    env = {"VLLM_PLUGINS": "none"}  # stock: vLLM alone, no kvops plugin at all
+    if settings is not None:
+        args += ["--additional-config", json.dumps({"kvops": settings})]
+        env = {}
+    server = vllm_server(
+        model, args, log_path=workdir / f"{name}.log", kv_cache_bytes=KV_BLOCKS * BLOCK_TOKENS * BYTES_PER_TOKEN,
+        env=env, name=f"vllm-{name}",
+    )
+    server.start(timeout_s=600)
+    try:
+        measure(server.url, str(model), Load(requests=2, rate_rps=2.0, max_tokens=8))  # warm-up
+        normal = normal_throughput(server.url, str(model))
+        overload = measure(server.url, str(model), OVERLOAD)
+    finally:
+        server.stop()
+    return {"normal": normal, "overload": overload}
+
+
+def run() -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="kvops-bench-admission-") as tmp:
+        workdir = Path(tmp)
+        model = build_tiny_model(workdir / "tiny", TinyModelSpec())
+        stock = run_server("stock", model, workdir, None)
+        kvops = run_server("kvops", model, workdir, KVOPS_SETTINGS)
+    stock_goodput = stock["overload"]["goodput_rps"]
+    stock_normal = stock["normal"]["tokens_per_s"]
+    return {
+        "stock": stock["overload"],
+        "kvops": kvops["overload"],
+        "goodput_ratio": kvops["overload"]["goodput_rps"] / stock_goodput if stock_goodput else None,
+        "normal_load_throughput_ratio": kvops["normal"]["tokens_per_s"] / stock_normal if stock_normal else None,
+        "normal_load": {"stock": stock["normal"], "kvops": kvops["normal"]},
+        "setup": {
+            "kv_blocks": KV_BLOCKS, "block_tokens": BLOCK_TOKENS, "max_model_len": MAX_MODEL_LEN,
+            "ttft_slo_s": TTFT_SLO_S, "overload": OVERLOAD.__dict__,
+            "normal": {"concurrency": NORMAL_CONCURRENCY, "per_worker": NORMAL_PER_WORKER,
+                       "max_tokens": NORMAL_MAX_TOKENS},
+            "kvops_settings": KVOPS_SETTINGS,
+        },
+    }

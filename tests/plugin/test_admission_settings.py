@@ -1,0 +1,94 @@
+"""The ``admission`` settings section and the Retry-After middleware (a real Starlette app)."""
+
+from __future__ import annotations
+
+import pytest
+from kvops.plugin import admission_http
+from kvops.plugin.admission_policy import recommended_settings
+from kvops.plugin.admission_settings import AdmissionSettings
+from kvops.plugin.errors import KvopsPluginError
+from kvops.plugin.settings import load_settings
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+
+def _load(admission: object) -> AdmissionSettings:
+    settings = load_settings({"kvops": {"admission": admission}})
+    assert settings is not None
+    assert settings.admission is not None
+    return settings.admission
+
+
+def test_an_empty_section_switches_strict_admission_on():
+    admission = _load({})
+    assert admission.policy == "strict"
+    assert admission.enabled
+    assert "admission" in load_settings({"kvops": {"admission": {}}}).features()
+    assert not _load({"policy": "off"}).enabled
+
+
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        ({"polcy": "strict"}, "admission.polcy"),
+        ({"policy": "greedy"}, "admission.policy"),
+        ({"headroom_fraction": 1.5}, "admission.headroom_fraction"),
+        ({"quantile": 0.5}, "quantile applies only to policy 'expected'"),
+        ({"max_queued_requests": 0}, "admission.max_queued_requests"),
+        ({"retry_after_max_s": 0}, "admission.retry_after_max_s"),
+    ],
+)
+def test_bad_admission_settings_name_the_field(section, expected):
+    with pytest.raises(KvopsPluginError) as err:
+        _load(section)
+    assert expected in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_queue_budget_scales_with_the_cache():
+    budget = _load({"max_queued_kv_fraction": 0.5, "max_queue_wait_s": 3}).queue_budget(2048)
+    assert budget.max_queued_kv_tokens == 1024
+    assert budget.max_queue_wait_s == 3
+    assert _load({"max_queued_kv_fraction": None}).queue_budget(2048).max_queued_kv_tokens is None
+
+
+def test_recommended_settings_validate_and_follow_the_plan():
+    # 100 usable blocks of 16 tokens; 200 + 300 tokens = 32 blocks per request -> 3 fit at once
+    rec = recommended_settings(num_blocks=101, block_size=16, max_num_seqs=256,
+                               typical_prompt_tokens=200, typical_output_tokens=300, headroom_fraction=0.0)
+    assert AdmissionSettings.model_validate(rec).max_queued_requests == 3
+    capped = recommended_settings(101, 16, max_num_seqs=2, typical_prompt_tokens=1, typical_output_tokens=1)
+    assert capped["max_queued_requests"] == 2
+
+
+@pytest.fixture
+def client():
+    async def busy(request):
+        return JSONResponse({"error": "busy"}, status_code=429)
+
+    async def busy_with_header(request):
+        return JSONResponse({"error": "busy"}, status_code=429, headers={"Retry-After": "42"})
+
+    async def stream(request):
+        async def body():
+            for i in range(3):
+                yield f"data: {i}\n\n"
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/busy", busy), Route("/busy42", busy_with_header), Route("/stream", stream)])
+    app.add_middleware(admission_http.RetryAfterMiddleware)
+    front = admission_http.install(AdmissionSettings())
+    front.last_retry_after_s = 7
+    yield TestClient(app)
+    admission_http.reset_for_tests()
+
+
+def test_retry_after_is_added_to_429_only(client):
+    assert client.get("/busy").headers["retry-after"] == "7"
+    assert client.get("/busy42").headers["retry-after"] == "42"
+    resp = client.get("/stream")
+    assert resp.status_code == 200
+    assert "retry-after" not in resp.headers
+    assert resp.text == "data: 0\n\ndata: 1\n\ndata: 2\n\n"
