@@ -1,0 +1,216 @@
+"""Puts the real stack into a runbook state and runs a page's command block there.
+
+Servers come from the e2e session pool (tests/e2e/conftest.py ``vllm``), so a configuration
+starts once per session and at most two run at a time; the load of a state runs in background
+threads only while that state is active.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+from kvops.loadtest.metrics import parse_metrics
+
+from .states import Load, State, state
+
+COMMAND_TIMEOUT_S = 420
+READY_TIMEOUT_S = 240
+VENV_BIN = str(Path(sys.executable).parent)
+
+
+@dataclass
+class CommandResult:
+    exit_code: int
+    output: str
+
+
+class LoadThreads:
+    """Closed-loop users posting completions until stopped."""
+
+    def __init__(self, url: str, model: str, load: Load) -> None:
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._user, args=(url, model, load, i), daemon=True)
+            for i in range(load.users)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _user(self, url: str, model: str, load: Load, index: int) -> None:
+        words = " ".join(f"w{(k * 7 + (0 if load.shared_prompt else index)) % 97}"
+                         for k in range(load.prompt_words))
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            prompt = words if load.shared_prompt else f"user {index} request {n} {words}"
+            body = {"model": model, "prompt": prompt, "max_tokens": load.max_tokens,
+                    "ignore_eos": True, "temperature": 0}
+            try:
+                status = requests.post(url + "/v1/completions", json=body, timeout=300).status_code
+            except requests.RequestException:
+                status = 0
+            if status != 200:  # a 429/503 comes back at once: don't spin on it
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=310)
+
+
+class Stack:
+    """The one active state: its server, its load and the environment commands see."""
+
+    def __init__(self, servers: Any, models: Callable[..., Path], root: Path) -> None:
+        self.servers = servers
+        self.models = models
+        self.root = root
+        self.active: str | None = None
+        self.env: dict[str, str] = {}
+        self._load: LoadThreads | None = None
+        self.lmcache = LmcacheServer(root / "lmcache")
+
+    def workdir(self, page: str) -> Path:
+        path = self.root / "pages" / page.removesuffix(".md")
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def enter(self, name: str) -> dict[str, str]:
+        if name != self.active:
+            self.leave()
+            self.env = self._start(state(name))
+            self.active = name
+        return self.env
+
+    def leave(self) -> None:
+        if self._load is not None:
+            self._load.stop()
+            self._load = None
+        self.active = None
+
+    def close(self) -> None:
+        self.leave()
+        self.lmcache.stop()
+
+    def _start(self, st: State) -> dict[str, str]:
+        model = self.models(**dict(st.model_shape))
+        env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}",
+               "MODEL_DIR": str(model), "KVOPS_DEBUG": "0"}
+        args = tuple(a.replace("{pages}", str(self.root / "pages"))
+                     .replace("{kvops_yaml}", str(self.lmcache.config)) for a in st.args)
+        if st.lmcache:
+            env.update(LMCACHE_URL=self.lmcache.url, KVOPS_YAML=str(self.lmcache.config))
+            if st.lmcache == "up" or not self.lmcache.started:
+                self.lmcache.start()  # a "down" state needs it up while vLLM starts
+        if not st.server:
+            return env
+        if st.refuses_start:
+            code, log = self.servers.start_expecting_failure(model, *args)
+            log_path = self.root / f"{st.name}.log"
+            log_path.write_text(log)
+            return {**env, "VLLM_LOG": str(log_path), "VLLM_EXIT_CODE": str(code)}
+        server = self.servers(model, *args, kv_cache_bytes=st.kv_cache_bytes)
+        env.update(VLLM_URL=server.url, VLLM_LOG=str(server.log_path))
+        if st.lmcache == "down":
+            self.lmcache.stop()
+        if st.load is not None:
+            self._load = LoadThreads(server.url, str(model), st.load)
+        _wait_for(server.url, st.ready)
+        return env
+
+    def run(self, command: str, cwd: Path) -> CommandResult:
+        proc = subprocess.run(  # noqa: S603 - the page's own command, in a scratch directory
+            ["bash", "-euo", "pipefail", "-c", command], env=self.env, cwd=cwd,
+            capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False,
+        )
+        return CommandResult(proc.returncode, proc.stdout + proc.stderr)
+
+
+def _wait_for(url: str, ready: dict[str, float],
+              scrape: Callable[[str], str] | None = None) -> None:
+    """Block until every ``ready`` metric reaches its minimum (a precondition, not a timing)."""
+    if not ready:
+        return
+    get = scrape or (lambda u: requests.get(u + "/metrics", timeout=10).text)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    values: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        text = get(url)
+        sample = parse_metrics(text)
+        values = {key: _special(key, text) if key.startswith("kvops_") else sample.get(key)
+                  for key in ready}
+        if all(values[key] >= minimum for key, minimum in ready.items()):
+            return
+        time.sleep(1.0)
+    raise AssertionError(f"state never reached {ready} (last seen {values}) at {url}")
+
+
+def _special(key: str, metrics_text: str) -> float:
+    """kvops conditions: rejections so far, LMCache server seen up / down by the plugin, the
+    connector degraded / recovered."""
+    def values(prefix: str) -> list[float]:
+        return [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+                if line.startswith(prefix)]
+
+    if key == "kvops_rejected":
+        return sum(values('kvops_admission_decisions_total{decision="rejected"'))
+    up = values("kvops_offload_server_up ")
+    if key == "kvops_offload_server_up":
+        return 1.0 if up and up[0] == 1.0 else 0.0
+    if key == "kvops_offload_server_down":
+        return 1.0 if up and up[0] == 0.0 else 0.0
+    degraded = values("kvops_offload_degraded{")
+    if key == "kvops_offload_degraded":
+        return max(degraded, default=0.0)
+    if key == "kvops_offload_recovered":
+        return 1.0 if degraded and max(degraded) == 0.0 else 0.0
+    raise KeyError(key)
+
+
+class LmcacheServer:
+    """`kvops offload serve` on ports fixed for the session, so vLLM's config stays valid
+    across a stop and a restart (what an operator does)."""
+
+    def __init__(self, root: Path) -> None:
+        from kvops.ops.launch import free_port
+
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self.settings = {"port": free_port(), "http_port": free_port(), "l1_gib": 0.25,
+                         "disk_path": str(root / "l2"), "disk_gib": 0.016, "heartbeat_s": 1.0}
+        self.config = root / "kvops.yaml"
+        self.config.write_text(json.dumps({"offload": self.settings}))
+        self.url = f"http://127.0.0.1:{self.settings['http_port']}"
+        self.started = False
+        self._serve: Any = None
+
+    def start(self) -> None:
+        from kvops.ops.launch import ManagedServer
+
+        if self._serve is not None and self._serve.returncode() is None:
+            return
+        n = len(list(self.root.glob("serve-*.out"))) + 1
+        self._serve = ManagedServer(
+            name="kvops-offload-serve",
+            argv=[str(Path(VENV_BIN) / "kvops"), "offload", "serve", "--config", str(self.config),
+                  "--log", str(self.root / f"lmcache-{n}.log")],
+            port=int(self.settings["http_port"]), log_path=self.root / f"serve-{n}.out",
+            env={**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"},
+        )
+        self._serve.start(health_path="/healthcheck", timeout_s=READY_TIMEOUT_S)
+        self.started = True
+
+    def stop(self) -> None:
+        if self._serve is not None:
+            self._serve.stop()
+            self._serve = None
