@@ -24,7 +24,7 @@ from kvops.loadtest.metrics import parse_metrics
 from .states import Load, State, state
 
 COMMAND_TIMEOUT_S = 420
-READY_TIMEOUT_S = 240
+READY_TIMEOUT_S = 480  # generous: several CPU servers share two cores while tests run
 VENV_BIN = str(Path(sys.executable).parent)
 
 
@@ -115,7 +115,7 @@ class Stack:
         if not st.server:
             return env
         if st.refuses_start:
-            code, log = self.servers.start_expecting_failure(model, *args)
+            code, log = self.servers.start_expecting_failure(model, *args, timeout_s=READY_TIMEOUT_S)
             log_path = self.root / f"{st.name}.log"
             log_path.write_text(log)
             return {**env, "VLLM_LOG": str(log_path), "VLLM_EXIT_CODE": str(code)}

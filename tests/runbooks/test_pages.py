@@ -3,12 +3,16 @@ metric names that exist; and the markup parser itself on small pages."""
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from .markup import RUNBOOK_DIR, SECTIONS, MarkupError, missing_lines, pages, parse_page
-from .names import known_names, unknown_names
+from .names import METRIC, known_names, unknown_names
 from .states import STATE_ORDER, STATES
 
 PAGES = pages()
@@ -130,3 +134,31 @@ def test_expected_lines_match_in_order_with_ellipsis() -> None:
     assert missing_lines(("kv_usage: …", "waiting: …"), out) == ["waiting: …"]
     assert missing_lines(("healthy / none",), out) == ["healthy / none"]
     assert missing_lines(("a(1)",), "a(1)") == []
+
+
+# --- PromQL written inline in the pages ----------------------------------------------------------
+
+def _inline_promql() -> list[tuple[str, str]]:
+    """Inline code spans that are queries: they call a function or aggregate over a metric."""
+    found = []
+    for page in PAGES:
+        text = (RUNBOOK_DIR / page.name).read_text()
+        for span in re.findall(r"`([^`\n]+)`", text):
+            if "(" in span and METRIC.search(span) and not span.startswith(("kvops ", "curl ")):
+                found.append((page.name, span))
+    return found
+
+
+def test_pages_show_promql() -> None:
+    assert len(_inline_promql()) >= 5
+
+
+def test_inline_promql_parses(tmp_path: Path) -> None:
+    rules = [{"record": f"page:query_{i}", "expr": q} for i, (_, q) in enumerate(_inline_promql())]
+    path = tmp_path / "page_rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "pages", "rules": rules}]}))
+    exe = shutil.which("promtool")
+    assert exe, "promtool is missing: run `make setup` (Debian package prometheus)"
+    proc = subprocess.run([exe, "check", "rules", str(path)], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
