@@ -22,6 +22,9 @@ class KvopsStatLogger(AggregateStatLoggerBase):
         self.engine_indexes = engine_indexes
         settings = settings_of(vllm_config)
         publish_info(vllm_config, settings)
+        from kvops.plugin.fp8.metrics import publish_fp8
+
+        publish_fp8(vllm_config, settings.kv_scales if settings else None)
         from kvops.plugin.admission_wiring import install_in_api_server
 
         install_in_api_server(vllm_config, settings.admission if settings else None)

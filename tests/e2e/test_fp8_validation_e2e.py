@@ -1,0 +1,118 @@
+"""fp8 KV combinations that cannot work are refused by the real `vllm serve` at start-up, with
+exit code 2 and one line naming the cause and the fix (vLLM alone would fail in a worker after
+loading the model, or run with wrong scales)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+from kvops.ops.fp8 import fingerprint_of_config, read_model_config
+
+pytestmark = pytest.mark.e2e
+
+LEN = ("--max-model-len", "2048")
+FP8 = ("--kv-cache-dtype", "fp8")
+
+
+def _refusal(vllm, model: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    code, log = vllm.start_expecting_failure(model, *LEN, *args, env=env)
+    assert code == 2, log[-3000:]
+    reasons = [line for line in log.splitlines() if line.startswith("kvops: refusing to start:")]
+    assert len(reasons) == 1, log[-3000:]
+    assert "Traceback" not in log
+    return reasons[0]
+
+
+def _scales_doc(model: Path, k_scale: float = 0.5) -> dict[str, object]:
+    fingerprint = fingerprint_of_config(read_model_config(model))
+    return {
+        "dtype": "fp8_e4m3",
+        "model": fingerprint.model_dump(),
+        "layers": {
+            f"model.layers.{i}.self_attn.attn": {"k_scale": k_scale, "v_scale": 0.5}
+            for i in range(fingerprint.num_layers)
+        },
+    }
+
+
+def _kv_config(path: Path) -> str:
+    return json.dumps({"kvops": {"kv_scales": str(path)}})
+
+
+def test_cpu_without_avx512_or_amx(vllm, tiny_model):
+    # Simulated: every machine that runs this suite has AVX-512 (vLLM's fp8 CPU path needs it),
+    # so the CPU flags the plugin reads are replaced through KVOPS_FAKE_CPU_FLAGS.
+    reason = _refusal(vllm, tiny_model, *FP8, env={"KVOPS_FAKE_CPU_FLAGS": "sse4_2,avx2,fma"})
+    assert "needs x86 with AVX-512 or AMX" in reason
+
+
+def test_head_dim_not_a_multiple_of_32(vllm, tiny_models):
+    model = tiny_models(hidden=320, heads=4, kv_heads=2, head_dim=80)
+    reason = _refusal(vllm, model, *FP8)
+    assert "head_dim % 32 == 0; this model's head_dim is 80" in reason
+
+
+def test_mla_model_on_cpu(vllm, tiny_model, tmp_path):
+    model = tmp_path / "tiny-mla"
+    shutil.copytree(tiny_model, model)
+    config = {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "kv_lora_rank": 64, "q_lora_rank": None, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32,
+        "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 2,
+        "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    reason = _refusal(vllm, model, *FP8)
+    assert "MLA models cannot use fp8 KV on CPU" in reason
+
+
+def test_e5m2_with_checkpoint_scales(vllm, tiny_model, tmp_path):
+    model = tmp_path / "tiny-with-scales"
+    shutil.copytree(tiny_model, model)
+    # A second shard that carries per-layer k/v scales, as fp8 checkpoints do.
+    header = {}
+    for i in range(4):
+        for kind in ("k_scale", "v_scale"):
+            offset = 4 * len(header)
+            header[f"model.layers.{i}.self_attn.{kind}"] = {
+                "dtype": "F32", "shape": [], "data_offsets": [offset, offset + 4],
+            }
+    raw = json.dumps(header).encode()
+    (model / "scales.safetensors").write_bytes(
+        struct.pack("<Q", len(raw)) + raw + struct.pack("<f", 0.5) * len(header)
+    )
+    reason = _refusal(vllm, model, "--kv-cache-dtype", "fp8_e5m2")
+    assert "fp8_e5m2 with a checkpoint that carries k/v scales" in reason
+    assert "use --kv-cache-dtype fp8_e4m3" in reason
+
+
+def test_scales_file_of_another_model(vllm, tiny_model, tiny_models, tmp_path):
+    other = tiny_models(layers=2)
+    path = tmp_path / "other-scales.json"
+    path.write_text(json.dumps(_scales_doc(other)))
+    reason = _refusal(vllm, tiny_model, *FP8, "--additional-config", _kv_config(path))
+    assert "was calibrated for another model (num_layers is 2 in the scales file but 4" in reason
+
+
+@pytest.mark.parametrize("bad", [0.0, float("nan")], ids=["zero", "nan"])
+def test_non_positive_or_non_finite_scale(vllm, tiny_model, tmp_path, bad):
+    path = tmp_path / "bad-scales.json"
+    path.write_text(json.dumps(_scales_doc(tiny_model, k_scale=bad)))
+    reason = _refusal(vllm, tiny_model, *FP8, "--additional-config", _kv_config(path))
+    assert "layers.model.layers.0.self_attn.attn.k_scale: Value error, must be a positive finite" in reason
+
+
+def test_scales_without_fp8_kv(vllm, tiny_model, tmp_path):
+    path = tmp_path / "scales.json"
+    path.write_text(json.dumps(_scales_doc(tiny_model)))
+    reason = _refusal(vllm, tiny_model, "--additional-config", _kv_config(path))
+    assert "kv_scales is set but --kv-cache-dtype is 'auto'" in reason
