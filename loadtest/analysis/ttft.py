@@ -37,8 +37,11 @@ def pooled_mean(rows: Sequence[Interval]) -> float | None:
 
 def client_samples(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
     ok = [r for r in records if r.ok]
+    # a request still waiting for its first token when the run ended is the worst case of an
+    # overload, not a missing value: its time in flight is a lower bound of its TTFT
+    censored = [r.e2e_s for r in records if r.stopped and r.ttft_s is None and r.e2e_s]
     return {
-        "ttft_s": [r.ttft_s for r in ok if r.ttft_s is not None],
+        "ttft_s": [r.ttft_s for r in ok if r.ttft_s is not None] + censored,
         "itl_mean_s": [sum(r.itl_s) / len(r.itl_s) for r in ok if r.itl_s],
         "e2e_s": [r.e2e_s for r in ok if r.e2e_s is not None],
         "lateness_s": [r.lateness_s for r in records if r.lateness_s is not None],

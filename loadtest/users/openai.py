@@ -57,6 +57,7 @@ class OpenAIStreamUser(FastHttpUser):
         except GreenletExit:
             # the run ended with this request in flight: keep it, marked, then let the user die
             record.stopped = True
+            record.e2e_s = time.perf_counter() - start
             record.error = "stopped by the load generator while in flight"
             store.add(record)
             raise

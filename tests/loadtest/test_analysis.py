@@ -103,3 +103,10 @@ def test_ttft_regression_attributed_to_queueing():
     assert table["ttft_p50"]["regressed"]
     _, same = ttft.compare(cfg, summary(0.0, 0.5), summary(0.0, 0.5))
     assert same[0].problem == "healthy"
+
+
+def test_requests_without_a_first_token_at_the_end_count_with_their_wait():
+    waiting = RequestRecord(request_id="w", kind="completions", sent_at=0.0, e2e_s=7.0,
+                            stopped=True)
+    samples = ttft.client_samples([_rec(0.0, ttft_s=0.2), waiting])
+    assert sorted(samples["ttft_s"]) == [0.2, 7.0]

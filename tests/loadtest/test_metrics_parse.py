@@ -4,9 +4,8 @@ numbers our diagnoses read, under both metric-name generations."""
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
 from kvops.loadtest.metrics import delta, hist_mean, parse_metrics, prefix_caching_enabled
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 def _page(usage_name: str, prefix: str, engines: int = 2) -> str:
@@ -52,3 +51,14 @@ def test_deltas_and_histogram_means():
     assert delta(a, b, "prefix_hits") == 250
     assert hist_mean(a, b, "ttft") == pytest.approx(0.03)
     assert delta(b, a, "prefix_hits") == 0  # a restarted server never gives negative increases
+
+
+def test_bucket_quantile_interpolates_inside_the_bucket():
+    from kvops.loadtest.metrics import bucket_quantile
+
+    before = parse_metrics(_page("vllm:kv_cache_usage_perc", "", engines=1), t=0.0)
+    after = parse_metrics(_page("vllm:kv_cache_usage_perc", "", engines=2), t=1.0)
+    # the increase is two observations (0.02, 0.04), both in the (0.01, 0.1] bucket: the
+    # median rank 1 of 2 lies halfway through it, as PromQL's histogram_quantile puts it
+    assert bucket_quantile(before, after, 0.5) == pytest.approx(0.01 + 0.09 * 0.5)
+    assert bucket_quantile(after, after, 0.5) is None
