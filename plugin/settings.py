@@ -99,9 +99,22 @@ def _first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(part) for part in err["loc"]) or "(top level)"
     if err["type"] == "extra_forbidden":
-        allowed = ", ".join(sorted(KvopsSettings.model_fields))
+        allowed = ", ".join(sorted(_section_model(err["loc"][:-1]).model_fields))
         return f"unknown key {where!r} (known keys: {allowed})"
     return f"{where}: {err['msg']}"
+
+
+def _section_model(loc: tuple[Any, ...]) -> type[BaseModel]:
+    """The settings model a nested key belongs to, so its known keys can be listed."""
+    model: type[BaseModel] = KvopsSettings
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        inner = [t for t in getattr(field.annotation, "__args__", (field.annotation,))
+                 if isinstance(t, type) and issubclass(t, BaseModel)] if field else []
+        if not inner:
+            break
+        model = inner[0]
+    return model
 
 
 def _one_line(text: str) -> str:

@@ -9,6 +9,7 @@ process supervisor (systemd, Kubernetes) restarts both together.
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 import threading
 import time
@@ -31,6 +32,8 @@ def serve(
     """Run until a signal arrives (returns 0) or the server dies (raises KvopsError)."""
     if settings.disk_path is not None:
         _check_disk(settings)
+    if settings.shared_l2_address is not None:
+        check_resp_server(*settings.shared_l2_address)
     server = lmcache_server(settings, log_path=log_path)
     stop = threading.Event()
 
@@ -66,6 +69,24 @@ def _check_disk(settings: OffloadSettings) -> None:
         check_disk_dir(str(settings.disk_path), settings.disk_gib)
     except KvopsPluginError as exc:
         raise BadInputError(str(exc)) from None
+
+
+def check_resp_server(host: str, port: int, timeout_s: float = 5.0) -> None:
+    """The shared L2 answers PING (RESP protocol: Redis, Valkey) before LMCache depends on it."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            conn.sendall(b"PING\r\n")
+            reply = conn.recv(64)
+    except OSError as exc:
+        raise KvopsError(
+            f"shared L2 redis://{host}:{port} (kvops.offload.shared_l2) is not reachable: "
+            f"{exc.strerror or exc}; start redis-server/valkey-server there or fix the address"
+        ) from None
+    if not reply.startswith(b"+PONG"):
+        raise KvopsError(
+            f"shared L2 redis://{host}:{port} answered {reply[:40]!r} to PING: it must speak RESP "
+            "without auth (Redis or Valkey)"
+        )
 
 
 class _LogForwarder(threading.Thread):

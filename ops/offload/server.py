@@ -75,4 +75,8 @@ def server_args(settings: OffloadSettings) -> list[str]:
             "eviction": L2_EVICTION,
         }
         args += ["--l2-adapter", json.dumps(adapter)]
+    if settings.shared_l2_address is not None:
+        host, port = settings.shared_l2_address
+        shared = {"type": "resp", "host": host, "port": port, "num_workers": 2}
+        args += ["--l2-adapter", json.dumps(shared)]
     return args

@@ -11,14 +11,22 @@ to the front end. Imported by vLLM's connector factory only when the connector i
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.logger import init_logger
 
+from kvops.plugin.offload.integrity import (
+    BlockDigests,
+    block_crc,
+    block_keys,
+    first_group_blocks,
+)
 from kvops.plugin.offload.prom import OffloadPromMetrics
 from kvops.plugin.offload.stats import OffloadStats
+from kvops.plugin.offload.wiring import LOCAL_HOSTS
 
 logger = init_logger("vllm.plugins.kvops.offload")
 
@@ -30,6 +38,10 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         self._kvops_stats = OffloadStats()
         self._kvops_healthy = True
         self._kvops_bytes_per_token = 0.0
+        self._kvops_loads: dict[str, tuple[float, int, Any]] = {}
+        self._kvops_layers: list[Any] = []
+        self._kvops_digests: BlockDigests | None = None
+        self._kvops_bad_blocks: set[int] = set()
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self._kvops_server = extra.get("lmcache.mp.host", "?") + f":{extra.get('lmcache.mp.port')}"
         super().__init__(vllm_config, role, kv_cache_config)
@@ -51,16 +63,41 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
         self._kvops_bytes_per_token = kv_bytes_per_token(kv_caches, self._block_size)
+        layers = list(kv_caches.values())
+        settings = self._vllm_config.kv_transfer_config.kv_connector_extra_config.get(
+            "kvops.offload", {})
+        if settings.get("verify_kv", True) and all(t.device.type == "cpu" for t in layers):
+            self._kvops_layers = layers
+            self._kvops_digests = BlockDigests(digest_path(settings, self._vllm_config))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        tokens = self._kvops_tokens("RETRIEVE")
         started = time.perf_counter()
+        for meta, tokens in self._kvops_moves("RETRIEVE"):
+            self._kvops_loads[meta.request_id] = (started, tokens, meta)
         super().start_load_kv(forward_context, **kwargs)
-        if tokens:
-            self._kvops_record("load", tokens, time.perf_counter() - started)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Loads are asynchronous: their latency runs from submit to LMCache reporting them done."""
+        sending, receiving = super().get_finished(finished_req_ids)
+        now = time.perf_counter()
+        for request_id in receiving or ():
+            started, tokens, meta = self._kvops_loads.pop(request_id, (now, 0, None))
+            if tokens:
+                self._kvops_record("load", tokens, now - started)
+            if meta is not None:
+                self._kvops_verify(meta)
+        return sending, receiving
 
     def wait_for_save(self) -> None:
-        tokens = self._kvops_tokens("STORE")
+        """Stores hand KV over inside the step (vLLM may reuse the blocks afterwards)."""
+        moves = self._kvops_moves("STORE")
+        tokens = sum(tokens for _, tokens in moves)
+        if self._kvops_digests is not None:
+            for meta, _ in moves:
+                self._kvops_digests.record([
+                    (key, block_crc(self._kvops_layers, block))
+                    for key, block in self._kvops_blocks(meta, meta.op.start)
+                ])
         started = time.perf_counter()
         super().wait_for_save()
         if tokens:
@@ -72,17 +109,46 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
             self._kvops_stats.error("load", len(failed))
             logger.error("kvops offload: LMCache failed to load %d blocks; vLLM recomputes them",
                          len(failed))
-        return failed
+        corrupt, self._kvops_bad_blocks = self._kvops_bad_blocks, set()
+        return failed | corrupt
 
-    def _kvops_tokens(self, direction: str) -> int:
-        """Tokens this step moves in one direction (retrieves skip what vLLM already holds)."""
-        metadata = self._get_connector_metadata()
-        total = 0
-        for meta in getattr(metadata, "requests", ()):
+    def _kvops_blocks(self, meta: Any, first_token: int) -> list[tuple[bytes, int]]:
+        """(digest key, block id) of the op's blocks from the one holding ``first_token``."""
+        op, size = meta.op, self._block_size
+        start_block, end_block = op.start // size, op.end // size
+        seed = f"{self._vllm_config.model_config.model}|{meta.cache_salt}"
+        keys = block_keys(seed, op.token_ids, size, end_block)
+        blocks = first_group_blocks(op.block_ids)
+        first = max(start_block, -(-first_token // size))
+        return [(keys[j], blocks[j - start_block]) for j in range(first, end_block)
+                if j - start_block < len(blocks)]
+
+    def _kvops_verify(self, meta: Any) -> None:
+        """Blocks LMCache wrote must match what was stored; from a mismatch on, recompute."""
+        if self._kvops_digests is None:
+            return
+        entries = self._kvops_blocks(meta, meta.op.start + getattr(meta.op, "skip_first_n_tokens", 0))
+        for index, (key, block) in enumerate(entries):
+            verdict = self._kvops_digests.check(key, block_crc(self._kvops_layers, block))
+            if verdict is None:
+                self._kvops_stats.add("kvops_unverified_blocks", 1)
+            elif not verdict:
+                self._kvops_bad_blocks.update(block for _, block in entries[index:])
+                self._kvops_stats.error("corrupt", len(entries) - index)
+                logger.error("kvops offload: %d blocks LMCache returned for request %s do not "
+                             "match what was stored (corrupt cache file?); vLLM recomputes them",
+                             len(entries) - index, meta.request_id)
+                return
+
+    def _kvops_moves(self, direction: str) -> list[tuple[Any, int]]:
+        """(request metadata, tokens) this step moves one way; retrieves skip what vLLM holds."""
+        moves = []
+        for meta in getattr(self._get_connector_metadata(), "requests", ()):
             if meta.direction == direction:
                 op = meta.op
-                total += max(0, op.end - op.start - getattr(op, "skip_first_n_tokens", 0))
-        return total
+                skipped = getattr(op, "skip_first_n_tokens", 0)
+                moves.append((meta, max(0, op.end - op.start - skipped)))
+        return moves
 
     def _kvops_record(self, kind: str, tokens: int, seconds: float) -> None:
         if not self._kvops_adapter_healthy():
@@ -144,3 +210,12 @@ def kv_bytes_per_token(kv_caches: dict[str, Any], block_size: int) -> float:
         num_blocks = tensor.shape[1] if tensor.shape[0] == 2 and tensor.dim() == 5 else tensor.shape[0]
         total += tensor.numel() * tensor.element_size() / (num_blocks * block_size)
     return total
+
+
+def digest_path(settings: dict[str, Any], vllm_config: Any) -> Path | None:
+    """Beside a local disk tier, one digest file per rank (ranks hold different KV shards)."""
+    disk = settings.get("disk_path")
+    if not disk or settings.get("host") not in LOCAL_HOSTS:
+        return None
+    rank = getattr(vllm_config.parallel_config, "rank", 0)
+    return Path(f"{Path(disk).expanduser().resolve()}.kvops-digests.rank{rank}")

@@ -120,6 +120,15 @@ def check_server(settings: OffloadSettings, server: ServerConfig, block_size: in
         )
     if settings.disk_gib is not None:
         _check_evicting_disk_tier(settings, server, where)
+    if settings.shared_l2_address is not None:
+        host, port = settings.shared_l2_address
+        if not any(a.get("type_name") == "resp" and (a.get("host"), a.get("port")) == (host, port)
+                   for a in server.adapters):
+            raise KvopsPluginError(
+                f"{where} does not use the shared L2 {settings.shared_l2} "
+                "(kvops.offload.shared_l2): restart it with `kvops offload serve` from the same "
+                "settings"
+            )
 
 
 def _check_evicting_disk_tier(settings: OffloadSettings, server: ServerConfig, where: str) -> None:

@@ -43,6 +43,12 @@ class OffloadSettings(BaseModel):
     """What ``kvops offload serve`` lets the server accept ('auto' accepts both modes)."""
     timeout_s: float = Field(default=10.0, gt=0, le=300)
     """Preflight HTTP timeout and the connector's message-queue timeout (LMCache's is 300 s)."""
+    shared_l2: str | None = Field(default=None, pattern=r"^(redis|valkey)://[^:/]+:\d+$")
+    """A Redis/Valkey-protocol store (``redis://host:port``) used as a further L2 tier that
+    several LMCache servers share, so vLLM instances reuse each other's prefixes."""
+    verify_kv: bool = True
+    """Checksum every block stored and check it on load, so a corrupt cache file is a miss
+    (kvops.plugin.offload.integrity; CPU KV only)."""
     heartbeat_s: float = Field(default=2.0, gt=0, le=30)
     """How often the connector pings the server; a missed ping enters the degraded state."""
 
@@ -54,6 +60,13 @@ class OffloadSettings(BaseModel):
             raise ValueError("disk_path is set but disk_gib is not: an uncapped disk tier fills "
                              "the disk; set disk_gib")
         return self
+
+    @property
+    def shared_l2_address(self) -> tuple[str, int] | None:
+        if self.shared_l2 is None:
+            return None
+        host, _, port = self.shared_l2.split("://", 1)[1].rpartition(":")
+        return host, int(port)
 
     @property
     def mp_url(self) -> str:

@@ -17,6 +17,7 @@ from lmcache.integration.vllm.lmcache_mp_metrics import LMCacheMPConnectorStats
 COUNTERS = (
     "kvops_lookups", "kvops_lookup_tokens", "kvops_hit_tokens",
     "kvops_stored_tokens", "kvops_loaded_tokens", "kvops_stored_bytes", "kvops_loaded_bytes",
+    "kvops_unverified_blocks",
 )
 SERIES = ("kvops_store_seconds", "kvops_load_seconds")
 ERRORS = "kvops_errors"

@@ -119,3 +119,19 @@ def test_status_summary_reads_usage_hits_and_evictions():
     text = render(summary)
     assert "hits L1 512 + L2 512 tokens (66.7%)" in text
     json.dumps(summary)
+
+
+def test_shared_l2_is_a_resp_adapter_lmcache_accepts():
+    settings = load_offload_settings(None, {"shared_l2": "redis://127.0.0.1:6390"})
+    _, storage = lmcache_parses(server_args(settings))
+    [adapter] = storage.l2_adapter_config.adapters
+    assert type(adapter).__name__.startswith("RESP")
+    assert (adapter.host, adapter.port) == ("127.0.0.1", 6390)
+
+
+def test_shared_l2_that_does_not_answer_is_refused(tmp_path: Path):
+    config = tmp_path / "kvops.yaml"
+    config.write_text("offload:\n  shared_l2: redis://127.0.0.1:9\n")
+    result = runner.invoke(app, ["offload", "serve", "--config", str(config)])
+    assert result.exit_code == 1
+    assert "shared L2 redis://127.0.0.1:9 (kvops.offload.shared_l2) is not reachable" in result.stderr

@@ -115,3 +115,17 @@ def test_offload_settings_switch_the_feature_on():
     assert parsed is not None
     assert "offload" in parsed.features()
     assert parsed.offload == OffloadSettings()
+
+
+def test_shared_l2_must_be_the_servers():
+    resp = {"host": "127.0.0.1", "port": 6390, "num_workers": 2, "username": "", "password": "",
+            "max_capacity_gb": 0.0, "affinity_tag": "_default"}
+    config = copy.deepcopy(REAL_CONFIG)
+    config["storage_manager"]["l2_adapter_config"]["adapters"].append(resp)
+    adapters = {"adapters": [*REAL_ADAPTERS["adapters"], {"index": 1, "type_name": "resp"}]}
+    with_resp = ServerConfig.from_json(config, adapters)
+    check_server(settings(shared_l2="redis://127.0.0.1:6390"), with_resp, block_size=128)
+    with pytest.raises(KvopsPluginError, match="does not use the shared L2 redis://127.0.0.1:6391"):
+        check_server(settings(shared_l2="redis://127.0.0.1:6391"), with_resp, block_size=128)
+    with pytest.raises(KvopsPluginError, match="offload.shared_l2"):
+        load_settings({"kvops": {"offload": {"shared_l2": "http://x:1"}}})

