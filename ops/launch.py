@@ -144,7 +144,7 @@ def vllm_server(
     args: Sequence[str] = (),
     *,
     log_path: Path,
-    kv_cache_bytes: int = 1 << 30,
+    kv_cache_bytes: int | None = 1 << 30,
     env: Mapping[str, str] | None = None,
     port: int | None = None,
     name: str = "vllm",
@@ -153,13 +153,17 @@ def vllm_server(
 
     The KV space is given in bytes with --kv-cache-memory-bytes; VLLM_CPU_KVCACHE_SPACE (whole
     GiB only) would override it (vllm/platforms/cpu.py), so it is removed from the environment.
+    ``kv_cache_bytes=None`` leaves the flag out: vLLM then sizes KV from --gpu-memory-utilization
+    minus what the worker holds (vllm/v1/worker/cpu_worker.py:233-258), which is what a
+    calibration (kvops verify --calibration-out) measures.
     """
     chosen = port or free_port()
     full_env = {**os.environ, **CPU_TEST_ENV, **(env or {})}
     full_env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     argv = [
         vllm_executable(), "serve", str(model), "--host", "127.0.0.1", "--port", str(chosen),
-        "--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes), *args,
+        "--enforce-eager",
+        *(["--kv-cache-memory-bytes", str(kv_cache_bytes)] if kv_cache_bytes is not None else []), *args,
     ]
     return ManagedServer(name=name, argv=argv, port=chosen, log_path=log_path, env=full_env)
 

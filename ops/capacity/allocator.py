@@ -84,6 +84,11 @@ class Group:
     spec: Spec
     blocks_per_request: int
     bytes_per_block: int  # Σ of its layers' pages
+    layer_pages: tuple[int, ...] = ()  # page of each layer in ``layers`` (for PP projection)
+
+    def stage_bytes_per_block(self, first: int, last: int) -> int:
+        """Σ pages of this group's layers on the PP stage owning layers [first, last)."""
+        return sum(page for layer, page in zip(self.layers, self.layer_pages, strict=True) if first <= layer < last)
 
 
 @dataclass(frozen=True)
@@ -183,13 +188,13 @@ def build_groups(model: ModelKV, specs: list[Spec], flags: SizingFlags) -> list[
     if len(set(specs)) == 1:
         s = specs[0]
         return [Group(s.kind, tuple(indices), len(specs), s, s.blocks_per_request(flags),
-                      len(specs) * s.page_bytes)]
+                      len(specs) * s.page_bytes, tuple(x.page_bytes for x in specs))]
     kinds = {(s.kind, s.window, s.block_size, s.checkpoint_blocks) for s in specs}
     if len(kinds) == 1 and specs[0].kind != "mamba":  # UniformTypeKVCacheSpecs: one group
         s = max(specs, key=lambda x: x.page_bytes)
         merged = replace(s, page_bytes=sum(x.page_bytes for x in specs))
         return [Group(s.kind, tuple(indices), len(specs), merged, s.blocks_per_request(flags),
-                      merged.page_bytes)]
+                      merged.page_bytes, tuple(x.page_bytes for x in specs))]
     specs = _unify_pages(specs)
     buckets: dict[Spec, list[int]] = {}
     for index, spec in zip(indices, specs, strict=True):
@@ -201,8 +206,8 @@ def build_groups(model: ModelKV, specs: list[Spec], flags: SizingFlags) -> list[
         num_groups = cdiv(len(members), group_size)
         for i in range(num_groups):
             layers = tuple(members[i::num_groups])
-            groups.append(Group(spec.kind, layers, group_size, spec,
-                                spec.blocks_per_request(flags), len(layers) * spec.page_bytes))
+            groups.append(Group(spec.kind, layers, group_size, spec, spec.blocks_per_request(flags),
+                                len(layers) * spec.page_bytes, (spec.page_bytes,) * len(layers)))
     return groups
 
 
@@ -215,9 +220,15 @@ def kv_capacity(model: ModelKV, available_bytes: int, flags: SizingFlags) -> KVC
     bs, mamba_padded = resolve_block_size(model, flags)
     specs = [_layer_spec(layer, bs, mamba_padded) for layer in model.layers]
     groups = build_groups(model, specs, flags)
-    bytes_per_block = max(g.bytes_per_block for g in groups)
     per_request = sum(g.blocks_per_request for g in groups)
-    check_enough_memory(available_bytes, bytes_per_block, groups, flags)
+    # get_kv_cache_configs (kv_cache_utils.py:2531+): groups come from the whole model, each PP
+    # stage sizes its own share of every group, and all workers take the smallest num_blocks.
+    stage_bytes = [max(g.stage_bytes_per_block(first, last) for g in groups)
+                   for first, last in pp_stages(model, flags.pipeline_parallel_size)]
+    stage_bytes = [b for b in stage_bytes if b > 0]
+    for stage_bpb in stage_bytes:
+        check_enough_memory(available_bytes, stage_bpb, groups, flags)
+    bytes_per_block = max(stage_bytes)
     num_blocks = available_bytes // bytes_per_block
     concurrency = num_blocks / per_request
     return KVCapacity(
@@ -227,6 +238,27 @@ def kv_capacity(model: ModelKV, available_bytes: int, flags: SizingFlags) -> KVC
         max_model_len=flags.max_model_len, groups=tuple(groups),
         max_in_flight_tokens=flags.max_in_flight_tokens, mamba_page_padded_bytes=mamba_padded,
     )
+
+
+def pp_indices(num_layers: int, rank: int, pp: int) -> tuple[int, int]:
+    """distributed/utils.py get_pp_indices: even split, the remainder on the stages before the
+    last (the middle ones when it is small). VLLM_PP_LAYER_PARTITION is not modelled."""
+    partitions = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        partitions[-i] += 1
+    start = sum(partitions[:rank])
+    return start, start + partitions[rank]
+
+
+def pp_stages(model: ModelKV, pp: int) -> list[tuple[int, int]]:
+    if pp < 1:
+        raise BadInputError(f"--pipeline-parallel-size must be >= 1, got {pp}")
+    layers = model.num_decoder_layers or (max(layer.index for layer in model.layers) + 1)
+    if pp > layers:
+        raise BadInputError(f"--pipeline-parallel-size {pp} exceeds the model's {layers} decoder layers")
+    stages = [pp_indices(layers, rank, pp) for rank in range(pp)]
+    first, last = stages[-1]
+    return [*stages[:-1], (first, last + model.draft_layers)]  # the drafter runs on the last stage
 
 
 def check_enough_memory(available: int, bytes_per_block: int, groups: list[Group], flags: SizingFlags) -> None:

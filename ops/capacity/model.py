@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from kvops.ops.capacity.constants import (
     FP8_DS_MLA_ROW_BYTES,
@@ -53,6 +53,8 @@ class ModelKV:
     use_mla: bool
     attn_bytes_per_token_1: int  # model-level attention bytes for one token (hybrid alignment)
     max_position_embeddings: int | None
+    num_decoder_layers: int = 0  # what pipeline parallelism splits (distributed/utils.py get_pp_indices)
+    draft_layers: int = 0  # drafter (MTP/EAGLE) attention layers after the target's, on the last PP stage
 
     @property
     def is_hybrid(self) -> bool:
@@ -154,8 +156,14 @@ def read_model(
     kv_cache_dtype: str = "auto",
     dtype: str | None = None,
     mamba_ssm_dtype: str | None = None,
+    draft_layers: int = 0,
 ) -> ModelKV:
-    """Per-rank layer specs exactly as vLLM 0.32 builds them for this config and these flags."""
+    """Per-rank layer specs exactly as vLLM 0.32 builds them for this config and these flags.
+
+    ``draft_layers`` adds the drafter's attention layers (MTP: ``num_nextn_predict_layers``;
+    EAGLE: usually 1), each with the target's full-attention (or MLA) spec: vLLM registers them
+    after the target's layers and groups them with the rest (v1/core/kv_cache_utils.py:2029-2119).
+    """
     if tp < 1:
         raise BadInputError(f"--tensor-parallel-size must be >= 1, got {tp}")
     cfg = text_config(raw)
@@ -175,7 +183,8 @@ def read_model(
     from kvops.ops.capacity.mamba import mamba_layer_bytes
 
     layers: list[LayerKV] = []
-    for index, (kind, window) in enumerate(layer_kinds(cfg)):
+    kinds = layer_kinds(cfg)
+    for index, (kind, window) in enumerate(kinds):
         if kind is None:
             continue
         if kind in ("mamba2", "gdn"):
@@ -185,9 +194,10 @@ def read_model(
         elif use_mla:
             layers.append(LayerKV(index, "mla", bytes_per_token=per_token))
         else:
-            layers.append(LayerKV(index, kind, bytes_per_token=per_token, window=window))
+            layers.append(LayerKV(index, cast(LayerKind, kind), bytes_per_token=per_token, window=window))
     if not layers:
         raise BadInputError(f"{arch}: no layer with a KV cache found; check num_hidden_layers")
+    layers += _draft_layers(layers, draft_layers, len(kinds))
     max_pos = cfg.get("max_position_embeddings")
     return ModelKV(
         architecture=arch, model_dtype=mdtype,
@@ -195,4 +205,20 @@ def read_model(
         layers=tuple(layers), num_kv_heads_per_rank=heads, head_size=hsize, use_mla=use_mla,
         attn_bytes_per_token_1=per_token,
         max_position_embeddings=max_pos if isinstance(max_pos, int) else None,
+        num_decoder_layers=len(kinds), draft_layers=draft_layers,
     )
+
+
+def _draft_layers(layers: list[LayerKV], count: int, first_index: int) -> list[LayerKV]:
+    """Copies of the target's full-attention/MLA layer for the drafter, numbered after it."""
+    if count < 0:
+        raise BadInputError(f"--draft-layers must be >= 0, got {count}")
+    if not count:
+        return []
+    if any(layer.kind == "mamba" for layer in layers):
+        # Mamba specs also reserve num_speculative_blocks per request; not modelled yet.
+        raise BadInputError("--draft-layers on mamba/GDN hybrids is not supported by the planner yet")
+    base = next((layer for layer in layers if layer.kind in ("full", "mla")), None)
+    if base is None:
+        raise BadInputError("--draft-layers needs a full-attention layer to copy; this model has none")
+    return [LayerKV(first_index + i, base.kind, bytes_per_token=base.bytes_per_token) for i in range(count)]

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from kvops.ops.capacity.allocator import KVCapacity, SizingFlags, kv_capacity
+from kvops.ops.capacity.calibration import Calibration
 from kvops.ops.capacity.constants import (
     ACTIVATION_PEAK_GIB_PER_8K_TOKENS,
+    CPU_SERVER_BATCH_DEFAULTS,
     CUDA_GRAPH_GIB_PER_CAPTURE_SIZE,
     CUDA_GRAPH_MAX_CAPTURE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -26,8 +28,10 @@ from kvops.ops.capacity.constants import (
     MODEL_DTYPE_BYTES,
     NON_TORCH_GIB,
     SERVER_BATCH_DEFAULTS,
+    VLLM_VERSION,
 )
 from kvops.ops.capacity.model import ModelKV, text_config
+from kvops.ops.capacity.workload import Workload
 from kvops.ops.errors import BadInputError
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -35,17 +39,11 @@ _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8
 
 
 @dataclass(frozen=True)
-class Workload:
-    max_model_len: int
-    p50: int
-    p95: int
-    p99: int
-
-
-@dataclass(frozen=True)
 class PlanInputs:
     gpu_total_gib: float
     tp: int = 1
+    pp: int = 1
+    device: str = "cuda"
     gpu_memory_utilization: float | None = None
     target_concurrency: int | None = None
     risk_quantile: str = "p95"
@@ -54,6 +52,8 @@ class PlanInputs:
     activation_gib: float | None = None
     non_torch_gib: float | None = None
     cudagraph_gib: float | None = None
+    calibration: Calibration | None = None
+    model_ref: str | None = None  # what vllm serve gets; matches Calibration.model for the same model
 
 
 def gpu_total_gib(name: str | None, gib: float | None) -> float:
@@ -75,12 +75,14 @@ def safetensors_bytes(model_dir: Path) -> int:
         raise BadInputError(f"{model_dir}: no *.safetensors files; drop --model-dir to estimate from config")
     total = 0
     for file in files:
-        with open(file, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
-        for name, info in header.items():
-            if name != "__metadata__":
-                total += math.prod(info["shape"]) * _SAFETENSORS_BYTES.get(info["dtype"], 2)
+        try:
+            with open(file, "rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(length))
+            total += sum(math.prod(info["shape"]) * _SAFETENSORS_BYTES.get(info["dtype"], 2)
+                         for name, info in header.items() if name != "__metadata__")
+        except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise BadInputError(f"{file}: not a readable safetensors header ({exc})") from None
     return total
 
 
@@ -102,19 +104,72 @@ def capture_sizes(max_num_seqs: int) -> int:
     return len(sizes) + len(range(256, top + 1, 16))
 
 
-def default_batch(total_gib: float, gpu: str | None) -> tuple[int, int]:
+def default_batch(total_gib: float, gpu: str | None, device: str = "cuda", world: int = 1) -> tuple[int, int]:
+    """vLLM's (max_num_seqs, max_num_batched_tokens) defaults for the OpenAI server."""
+    if device == "cpu":
+        return CPU_SERVER_BATCH_DEFAULTS[0] * world, CPU_SERVER_BATCH_DEFAULTS[1] * world
     for min_gib, not_a100, seqs, mnbt in SERVER_BATCH_DEFAULTS:
         if total_gib >= min_gib and not (not_a100 and (gpu or "").upper().startswith("A100")):
             return seqs, mnbt
     return 256, 2048
 
 
-def non_kv_gib(inp: PlanInputs, max_num_seqs: int, mnbt: int) -> dict[str, float]:
-    weights = (inp.weights_bytes or 0) / inp.tp / GIB
-    act = inp.activation_gib if inp.activation_gib is not None else ACTIVATION_PEAK_GIB_PER_8K_TOKENS * mnbt / 8192
-    non_torch = inp.non_torch_gib if inp.non_torch_gib is not None else NON_TORCH_GIB[inp.tp > 1]
-    cg = inp.cudagraph_gib if inp.cudagraph_gib is not None else CUDA_GRAPH_GIB_PER_CAPTURE_SIZE * capture_sizes(max_num_seqs)
-    return {"weights_gib": weights, "activation_gib": act, "non_torch_gib": non_torch, "cudagraph_gib": cg}
+def _check_calibration(inp: PlanInputs) -> list[str]:
+    """A calibration from another device is refused; other mismatches are noted."""
+    cal = inp.calibration
+    if cal is None:
+        return []
+    if cal.device != inp.device:
+        raise BadInputError(f"--calibration was measured on {cal.device}, the plan is for --device {inp.device}; "
+                            "calibrate against a server on the same device")
+    notes = []
+    if cal.vllm_version.split("+")[0] != VLLM_VERSION:
+        notes.append(f"calibration is from vLLM {cal.vllm_version}, the planner models {VLLM_VERSION}")
+    if (cal.tensor_parallel_size, cal.pipeline_parallel_size) != (inp.tp, inp.pp):
+        notes.append(f"calibration ran at TP{cal.tensor_parallel_size}/PP{cal.pipeline_parallel_size}; "
+                     "non-torch memory depends on it")
+    if cal.includes_weights:
+        notes.append(f"calibration non-KV {cal.non_kv_gib} GiB is one lump (weights included): "
+                     f"valid for the model it measured ({cal.model})")
+    return notes
+
+
+def non_kv_terms(inp: PlanInputs, max_num_seqs: int, mnbt: int) -> tuple[dict[str, float], dict[str, str]]:
+    """(GiB per term, where each came from): command line > calibration file > default."""
+    cal = inp.calibration
+    if cal is not None and cal.includes_weights:
+        # CPU worker: vLLM measured one RSS figure for weights + activations + runtime.
+        terms = {"weights_gib": 0.0, "activation_gib": inp.activation_gib or 0.0,
+                 "non_torch_gib": cal.non_kv_gib, "cudagraph_gib": inp.cudagraph_gib or 0.0}
+        sources = {"weights_gib": "inside the calibrated non-KV lump",
+                   "activation_gib": "--activation-gib" if inp.activation_gib else "inside the calibrated lump",
+                   "non_torch_gib": f"calibration ({cal.source}): all non-KV memory the worker held",
+                   "cudagraph_gib": "--cudagraph-gib" if inp.cudagraph_gib else "none on this device"}
+        return terms, sources
+    cal_source = f"calibration ({cal.source})" if cal else ""
+    defaults = {
+        "activation_gib": (ACTIVATION_PEAK_GIB_PER_8K_TOKENS * mnbt / 8192,
+                           f"default {ACTIVATION_PEAK_GIB_PER_8K_TOKENS} GiB per 8192 batched tokens (v0.19 H100)"),
+        "non_torch_gib": (NON_TORCH_GIB[inp.tp * inp.pp > 1], "default by TP (v0.19 H100: NCCL/custom all-reduce)"),
+        "cudagraph_gib": ((CUDA_GRAPH_GIB_PER_CAPTURE_SIZE * capture_sizes(max_num_seqs), "default per capture size "
+                           f"({capture_sizes(max_num_seqs)} graphs at max_num_seqs {max_num_seqs})")
+                          if inp.device == "cuda" else (0.0, "no CUDA graphs on cpu")),
+    }
+    terms = {"weights_gib": (inp.weights_bytes or 0) / (inp.tp * inp.pp) / GIB}
+    sources = {"weights_gib": "model bytes / (TP × PP)"}
+    if cal is not None and cal.weights_gib is not None and cal.model == inp.model_ref:
+        terms["weights_gib"], sources["weights_gib"] = cal.weights_gib, f"{cal_source}, same model"
+    for key, (default, why) in defaults.items():
+        given, measured = getattr(inp, key), getattr(cal, key, None) if cal else None
+        if given is not None:
+            if given < 0:
+                raise BadInputError(f"--{key[:-4].replace('_', '-')}-gib must be >= 0, got {given}")
+            terms[key], sources[key] = given, f"--{key[:-4].replace('_', '-')}-gib"
+        elif measured is not None:
+            terms[key], sources[key] = measured, cal_source
+        else:
+            terms[key], sources[key] = default, why
+    return terms, sources
 
 
 def blocks_for_tokens(cap: KVCapacity, flags: SizingFlags, tokens: int) -> int:
@@ -122,15 +177,47 @@ def blocks_for_tokens(cap: KVCapacity, flags: SizingFlags, tokens: int) -> int:
     return sum(g.spec.blocks_per_request(probe) for g in cap.groups)
 
 
-def derive_max_num_seqs(cap: KVCapacity, flags: SizingFlags, tokens: int, mnbt: int, hi: int) -> int:
-    """Requests of the risk-quantile length that fit in the usable pool, capped and rounded."""
-    fit = (cap.num_blocks - 1) // blocks_for_tokens(cap, flags, tokens)
-    cap_hi = min(hi, mnbt)
+def derive_max_num_seqs(
+    cap: KVCapacity, flags: SizingFlags, work: Workload, risk: str, mnbt: int, default_seqs: int,
+) -> tuple[int, dict[str, Any]]:
+    """Requests of the risk-quantile length that fit in the usable pool, then vLLM's caps.
+
+    Returns the value and every number behind it: how many risk-quantile requests fit, the
+    caps (vLLM's default for this device, which the CUDA-graph estimate assumed; the scheduler
+    rule max_num_batched_tokens >= max_num_seqs, config/scheduler.py:328; for mamba hybrids
+    the mamba-block rule, config/compilation.py:1503-1524), and the rounding to a capture size.
+    """
+    usable = cap.num_blocks - 1  # block 0 is the null block (v1/core/block_pool.py)
+    length = work.length_at(risk)
+    per_request = blocks_for_tokens(cap, flags, length)
+    fit = usable // per_request
+    caps = {"vllm_default": default_seqs, "max_num_batched_tokens": mnbt}
     if any(g.kind == "mamba" for g in cap.groups):
-        cap_hi = min(cap_hi, cap.num_blocks)  # config/compilation.py: max_num_seqs <= mamba blocks
-    seqs = max(1, min(fit, cap_hi))
-    step = 8 if seqs <= 256 else 16
-    return int(max(1, seqs // step * step) if seqs >= step else seqs)
+        caps["mamba_blocks"] = cap.num_blocks
+    binding = min(caps, key=lambda k: caps[k])
+    seqs = max(1, min(fit, caps[binding]))
+    step = 8 if seqs <= 256 else 16  # CUDA graph capture sizes step (config/vllm.py)
+    rounded = seqs // step * step if seqs >= step else seqs
+    mean_blocks = blocks_for_tokens(cap, flags, math.ceil(work.mean()))
+    return rounded, {
+        "risk_quantile": risk, "length_at_quantile": length, "blocks_per_request_at_quantile": per_request,
+        "usable_blocks": usable, "fit_at_quantile": fit, "caps": caps,
+        "binding": "fit_at_quantile" if fit <= caps[binding] else binding,
+        "rounded_to_capture_step": step, "mean_length": work.mean(),
+        "mean_load_concurrency": usable // mean_blocks,
+    }
+
+
+def _solve_util(model: ModelKV, flags: SizingFlags, inp: PlanInputs, work: Workload, nonkv_bytes: int) -> float:
+    util = inp.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    if inp.target_concurrency:
+        probe = kv_capacity(model, 1 << 62, flags)
+        need = probe.bytes_per_block * (inp.target_concurrency * blocks_for_tokens(
+            probe, flags, work.length_at(inp.risk_quantile)) + 1)
+        util = math.ceil((nonkv_bytes + need) / (inp.gpu_total_gib * GIB) * 100) / 100
+    if not 0 < util <= 1:
+        raise BadInputError(f"gpu_memory_utilization {util:.2f} is outside (0, 1]: the target does not fit this GPU")
+    return util
 
 
 def make_plan(
@@ -138,26 +225,20 @@ def make_plan(
     fp8_model: ModelKV | None = None,
 ) -> dict[str, Any]:
     """The whole plan as one dict (rendered as a table, JSON or kvops.yaml by the CLI)."""
-    default_seqs, default_mnbt = default_batch(inp.gpu_total_gib, gpu)
+    notes = _check_calibration(inp)
+    default_seqs, default_mnbt = default_batch(inp.gpu_total_gib, gpu, inp.device, inp.tp * inp.pp)
     mnbt = inp.max_num_batched_tokens or default_mnbt
-    flags = replace(flags, max_num_batched_tokens=mnbt, max_model_len=work.max_model_len)
-    nonkv = non_kv_gib(inp, default_seqs, mnbt)
+    flags = replace(flags, max_num_batched_tokens=mnbt, max_model_len=work.max_model_len, device=inp.device,
+                    pipeline_parallel_size=inp.pp)
+    nonkv, sources = non_kv_terms(inp, default_seqs, mnbt)
     nonkv_bytes = math.ceil(sum(nonkv.values()) * GIB)
-    total_bytes = inp.gpu_total_gib * GIB
-    util = inp.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
-    if inp.target_concurrency:
-        probe = kv_capacity(model, 1 << 62, flags)
-        need = probe.bytes_per_block * (inp.target_concurrency * blocks_for_tokens(
-            probe, flags, getattr(work, inp.risk_quantile)) + 1)
-        util = math.ceil((nonkv_bytes + need) / total_bytes * 100) / 100
-    if not 0 < util <= 1:
-        raise BadInputError(f"gpu_memory_utilization {util:.2f} is outside (0, 1]: the target does not fit this GPU")
-    available = math.ceil(total_bytes * util) - nonkv_bytes
+    util = _solve_util(model, flags, inp, work, nonkv_bytes)
+    available = math.ceil(inp.gpu_total_gib * GIB * util) - nonkv_bytes
     if available <= 0:
         raise BadInputError(f"non-KV memory {nonkv_bytes / GIB:.2f} GiB exceeds {util:.2f} of {inp.gpu_total_gib} GiB; "
                             "raise --tensor-parallel-size or use a larger GPU")
     cap = kv_capacity(model, available, flags)
-    seqs = derive_max_num_seqs(cap, flags, getattr(work, inp.risk_quantile), mnbt, default_seqs)
+    seqs, seqs_why = derive_max_num_seqs(cap, flags, work, inp.risk_quantile, mnbt, default_seqs)
     fp8 = None
     if fp8_model is not None:
         fcap = kv_capacity(fp8_model, available, flags)
@@ -165,51 +246,15 @@ def make_plan(
                "max_concurrency": fcap.max_concurrency, "num_blocks": fcap.num_blocks,
                "capacity_ratio": fcap.kv_cache_size_tokens / max(1, cap.kv_cache_size_tokens)}
     return {
-        "gpu_total_gib": inp.gpu_total_gib, "tensor_parallel_size": inp.tp,
-        "gpu_memory_utilization": util, "max_num_seqs": seqs, "max_model_len": work.max_model_len,
+        "device": inp.device, "gpu_total_gib": inp.gpu_total_gib, "tensor_parallel_size": inp.tp,
+        "pipeline_parallel_size": inp.pp,
+        "gpu_memory_utilization": util, "max_num_seqs": seqs, "max_num_seqs_why": seqs_why,
+        "max_model_len": work.max_model_len,
         "max_num_batched_tokens": mnbt, "kv_cache_dtype": model.kv_dtype,
-        "non_kv": nonkv, "available_kv_gib": available / GIB, "capacity": cap.as_dict(),
-        "workload": {"p50": work.p50, "p95": work.p95, "p99": work.p99, "risk_quantile": inp.risk_quantile,
-                     "blocks_per_request_at_quantile": blocks_for_tokens(cap, flags, getattr(work, inp.risk_quantile))},
-        "fp8_alternative": fp8,
-        "offload": {"lmcache_cpu_gib": None, "lmcache_disk_gib": None,
-                    "note": "placeholder: offload sizing lands with the offload work"},
+        "non_kv": nonkv, "non_kv_sources": sources, "available_kv_gib": available / GIB, "capacity": cap.as_dict(),
+        "workload": {"source": work.source, "p50": work.p50, "p95": work.p95, "p99": work.p99,
+                     "mean": work.mean(), "risk_quantile": inp.risk_quantile,
+                     "blocks_per_request_at_quantile": seqs_why["blocks_per_request_at_quantile"]},
+        "fp8_alternative": fp8, "calibration": inp.calibration.source if inp.calibration else None,
+        "notes": notes,
     }
-
-
-def serve_command(model_ref: str, plan: dict[str, Any]) -> str:
-    """The ready ``vllm serve`` line for the plan."""
-    parts = [f"vllm serve {model_ref}",
-             f"--tensor-parallel-size {plan['tensor_parallel_size']}",
-             f"--gpu-memory-utilization {plan['gpu_memory_utilization']:.2f}",
-             f"--max-model-len {plan['max_model_len']}",
-             f"--max-num-seqs {plan['max_num_seqs']}",
-             f"--max-num-batched-tokens {plan['max_num_batched_tokens']}"]
-    if str(plan["kv_cache_dtype"]).startswith("fp8"):
-        parts.append(f"--kv-cache-dtype {plan['kv_cache_dtype']}")
-    return " ".join(parts)
-
-
-def explain(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(quantity, value, why) rows for the human table."""
-    cap, nk = plan["capacity"], plan["non_kv"]
-    dominant = max(nk, key=nk.get)
-    rows = [
-        ("gpu_memory_utilization", f"{plan['gpu_memory_utilization']:.2f}",
-         f"of {plan['gpu_total_gib']} GiB total (as CUDA reports it)"),
-        ("non-KV memory", f"{sum(nk.values()):.2f} GiB",
-         ", ".join(f"{k[:-4]} {v:.2f}" for k, v in nk.items()) + f"; {dominant[:-4]} dominates"),
-        ("available KV", f"{plan['available_kv_gib']:.2f} GiB", "ceil(total × util) − non-KV"),
-        ("num_blocks", f"{cap['num_blocks']:,}", f"{cap['bytes_per_block']:,} B per block of {cap['block_size']} tokens"),
-        ("KV cache size", f"{cap['kv_cache_size_tokens']:,} tokens",
-         f"the server's log line; {cap['max_concurrency']:.2f}x at {plan['max_model_len']:,} tokens"),
-        ("max_num_seqs", str(plan["max_num_seqs"]),
-         f"{plan['workload']['risk_quantile']} request = {plan['workload']['blocks_per_request_at_quantile']} blocks; "
-         "capped by max_num_batched_tokens and vLLM's default"),
-        ("max_num_batched_tokens", str(plan["max_num_batched_tokens"]), "vLLM's default for this GPU class"),
-    ]
-    if plan.get("fp8_alternative"):
-        f8 = plan["fp8_alternative"]
-        rows.append(("with --kv-cache-dtype fp8", f"{f8['kv_cache_size_tokens']:,} tokens",
-                     f"{f8['capacity_ratio']:.2f}x the capacity; check accuracy first"))
-    return rows

@@ -3,56 +3,111 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvops.ops.capacity.allocator import SizingFlags
+from kvops.ops.capacity.calibration import load_calibration
 from kvops.ops.capacity.model import load_config, model_dtype, read_model, text_config
+from kvops.ops.capacity.offload import OffloadInputs, recommend_offload
+from kvops.ops.capacity.outputs import explain, kvops_settings, offload_chunk_tokens, serve_command
 from kvops.ops.capacity.plan import (
     PlanInputs,
-    Workload,
     estimate_weights_bytes,
-    explain,
     gpu_total_gib,
     make_plan,
     safetensors_bytes,
-    serve_command,
 )
+from kvops.ops.capacity.workload import Workload, from_file, from_quantiles, parse_quantile
 from kvops.ops.errors import BadInputError
 
 
-def _workload(max_model_len: int, quantiles: tuple[int | None, int | None, int | None]) -> Workload:
-    p50, p95, p99 = (q if q is not None else max_model_len for q in quantiles)
-    for name, value in (("--p50", p50), ("--p95", p95), ("--p99", p99)):
-        if value < 1 or value > max_model_len:
-            raise BadInputError(f"{name} {value} must be in [1, --max-model-len {max_model_len}]")
-    if not p50 <= p95 <= p99:
-        raise BadInputError("quantiles must satisfy --p50 <= --p95 <= --p99")
-    return Workload(max_model_len, p50, p95, p99)
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything ``kvops plan`` was given (None: not given)."""
+
+    config: Path
+    max_model_len: int
+    gpu: str | None = None
+    gpu_memory_gib: float | None = None
+    tp: int = 1
+    pp: int = 1
+    device: str = "cuda"
+    kv_cache_dtype: str = "auto"
+    draft_layers: int = 0
+    model_dir: Path | None = None
+    quantiles: tuple[int | None, int | None, int | None] = (None, None, None)
+    lengths_file: Path | None = None
+    risk_quantile: str = "p95"
+    target_concurrency: int | None = None
+    gpu_memory_utilization: float | None = None
+    max_num_batched_tokens: int | None = None
+    activation_gib: float | None = None
+    non_torch_gib: float | None = None
+    cudagraph_gib: float | None = None
+    calibration: Path | None = None
+    distinct_prefixes: int = 0
+    prefix_tokens: int = 0
+    host_memory_gib: float | None = None
 
 
-def run_plan(
-    config: Path, max_model_len: int, gpu: str | None, gpu_gib: float | None, tp: int, kv_dtype: str,
-    model_dir: Path | None, quantiles: tuple[int | None, int | None, int | None],
-    target: int | None, util: float | None, mnbt: int | None,
-) -> dict[str, Any]:
-    raw = load_config(config)
-    model = read_model(raw, tp=tp, kv_cache_dtype=kv_dtype)
-    fp8 = None
-    if kv_dtype in ("auto", "bfloat16", "float16") and not model.use_mla:
-        fp8 = read_model(raw, tp=tp, kv_cache_dtype="fp8")
-    if max_model_len < 1:
-        raise BadInputError(f"--max-model-len must be >= 1, got {max_model_len}")
-    if util is not None and not 0 < util <= 1:
-        raise BadInputError(f"--gpu-memory-utilization {util} must be in (0, 1]")
-    weights = safetensors_bytes(model_dir) if model_dir else estimate_weights_bytes(
+def _workload(req: PlanRequest) -> Workload:
+    if req.lengths_file is not None:
+        if any(q is not None for q in req.quantiles):
+            raise BadInputError("give either --lengths-file or --p50/--p95/--p99, not both")
+        work = from_file(req.lengths_file, req.max_model_len)
+    else:
+        work = from_quantiles(req.max_model_len, *req.quantiles)
+    parse_quantile(req.risk_quantile)
+    work.length_at(req.risk_quantile)  # fails early for a quantile the input cannot answer
+    return work
+
+
+def _inputs(req: PlanRequest, raw: dict[str, Any]) -> PlanInputs:
+    if req.gpu_memory_utilization is not None and not 0 < req.gpu_memory_utilization <= 1:
+        raise BadInputError(f"--gpu-memory-utilization {req.gpu_memory_utilization} must be in (0, 1]")
+    if req.target_concurrency is not None and req.target_concurrency < 1:
+        raise BadInputError(f"--target-concurrency must be >= 1, got {req.target_concurrency}")
+    calibration = load_calibration(req.calibration) if req.calibration else None
+    total = req.gpu_memory_gib
+    if total is None and req.gpu is None and calibration is not None:
+        total = calibration.device_total_gib  # the device the calibration measured
+    weights = safetensors_bytes(req.model_dir) if req.model_dir else estimate_weights_bytes(
         raw, model_dtype(text_config(raw)))
-    inputs = PlanInputs(gpu_total_gib=gpu_total_gib(gpu, gpu_gib), tp=tp, gpu_memory_utilization=util,
-                        target_concurrency=target, max_num_batched_tokens=mnbt, weights_bytes=weights)
-    plan: dict[str, Any] = make_plan(model, SizingFlags(max_model_len=max_model_len), inputs,
-                     _workload(max_model_len, quantiles), gpu, fp8)
-    plan["weights_source"] = "safetensors headers" if model_dir else "estimate from config.json"
-    plan["serve"] = serve_command(_model_ref(config, model_dir), plan)
+    return PlanInputs(
+        gpu_total_gib=gpu_total_gib(req.gpu, total), tp=req.tp, pp=req.pp, device=req.device,
+        gpu_memory_utilization=req.gpu_memory_utilization, target_concurrency=req.target_concurrency,
+        risk_quantile=req.risk_quantile, max_num_batched_tokens=req.max_num_batched_tokens,
+        weights_bytes=weights, activation_gib=req.activation_gib, non_torch_gib=req.non_torch_gib,
+        cudagraph_gib=req.cudagraph_gib, calibration=calibration, model_ref=_model_ref(req.config, req.model_dir))
+
+
+def run_plan(req: PlanRequest) -> dict[str, Any]:
+    if req.max_model_len < 1:
+        raise BadInputError(f"--max-model-len must be >= 1, got {req.max_model_len}")
+    if req.distinct_prefixes < 0 or req.prefix_tokens < 0:
+        raise BadInputError("--distinct-prefixes and --prefix-tokens must be >= 0")
+    raw = load_config(req.config)
+    model = read_model(raw, tp=req.tp, kv_cache_dtype=req.kv_cache_dtype, draft_layers=req.draft_layers)
+    fp8 = None
+    if req.kv_cache_dtype in ("auto", "bfloat16", "float16") and not model.use_mla:
+        fp8 = read_model(raw, tp=req.tp, kv_cache_dtype="fp8", draft_layers=req.draft_layers)
+    work = _workload(req)
+    plan: dict[str, Any] = make_plan(model, SizingFlags(max_model_len=req.max_model_len), _inputs(req, raw),
+                                     work, req.gpu, fp8)
+    plan["weights_source"] = "safetensors headers" if req.model_dir else "estimate from config.json"
+    if req.draft_layers:
+        plan["notes"].append(f"KV sized with {req.draft_layers} drafter layer(s): serve with your "
+                             "--speculative-config (method mtp/eagle) so vLLM builds them")
+    cap = plan["capacity"]
+    plan["offload"] = recommend_offload(OffloadInputs(
+        distinct_prefixes=req.distinct_prefixes, prefix_tokens=req.prefix_tokens,
+        kv_bytes_per_token_per_rank=model.kv_bytes_per_token, ranks=req.tp,
+        gpu_kv_bytes=int(cap["available_kv_bytes"]), host_memory_gib=req.host_memory_gib,
+        chunk_tokens=offload_chunk_tokens(int(cap["block_size"]))))
+    plan["kvops_yaml"] = kvops_settings(plan)
+    plan["serve"] = serve_command(_model_ref(req.config, req.model_dir), plan)
     return plan
 
 
@@ -71,11 +126,17 @@ def render(plan: dict[str, Any], fmt: str) -> str:
     if fmt == "yaml":
         import yaml
 
-        doc = {"vllm": {k: plan[k] for k in ("tensor_parallel_size", "gpu_memory_utilization", "max_num_seqs",
-                                              "max_model_len", "max_num_batched_tokens", "kv_cache_dtype")},
-               "serve": plan["serve"], "expected": {k: plan["capacity"][k] for k in
-                                                   ("num_blocks", "block_size", "kv_cache_size_tokens")}}
-        return str(yaml.safe_dump(doc, sort_keys=False))
+        cap = plan["capacity"]
+        header = [f"# kvops.yaml from `kvops plan` — serve with:\n#   {plan['serve']}",
+                  *(f"# {key}: {plan[key]}" for key in ("gpu_memory_utilization", "max_num_seqs", "max_model_len",
+                                                         "max_num_batched_tokens", "kv_cache_dtype")),
+                  f"# expected: num_blocks {cap['num_blocks']}, block_size {cap['block_size']}, "
+                  f"KV cache size {cap['kv_cache_size_tokens']} tokens (check with kvops verify)"]
+        offload = plan["kvops_yaml"].get("offload")
+        if offload:
+            header.append("# offload: start `kvops offload serve --config kvops.yaml` first"
+                          + ("; set disk_path to your disk tier directory" if "disk_path" in offload else ""))
+        return "\n".join(header) + "\n" + str(yaml.safe_dump(plan["kvops_yaml"], sort_keys=False))
     rows = explain(plan)
     width = max(len(r[0]) for r in rows)
     lines = [f"{q:<{width}}  {v:>18}  {why}" for q, v, why in rows]

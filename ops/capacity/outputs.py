@@ -1,0 +1,97 @@
+"""What a plan hands the operator: the ``vllm serve`` line, the kvops.yaml, and the why of each number.
+
+The kvops.yaml is the plugin's own settings file (kvops.plugin.settings.KvopsSettings): it is
+validated with the plugin's ``parse_settings`` before it is printed, so a plan can never emit a
+file the server would refuse. Admission settings come from the admission policy's own
+recommendation (kvops.plugin.admission_policy.recommended_settings), fed with this plan's
+blocks and max_num_seqs; both imports are pydantic-only (no vLLM).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvops.ops.capacity.offload import LMCACHE_CHUNK_TOKENS
+from kvops.ops.errors import KvopsError
+
+DISK_PATH_PLACEHOLDER = "/var/lib/kvops/lmcache"
+
+
+def offload_chunk_tokens(block_size: int) -> int:
+    """LMCache's chunk must be a multiple of vLLM's block size (plugin/offload/settings.py)."""
+    return int(block_size * math.ceil(LMCACHE_CHUNK_TOKENS / block_size))
+
+
+def kvops_settings(plan: dict[str, Any]) -> dict[str, Any]:
+    """The ``kvops`` mapping for this plan, checked by the plugin's own validator."""
+    from kvops.plugin.admission_policy import recommended_settings
+    from kvops.plugin.errors import KvopsPluginError
+    from kvops.plugin.settings import parse_settings
+
+    cap = plan["capacity"]
+    doc: dict[str, Any] = {"admission": recommended_settings(
+        cap["num_blocks"], cap["block_size"], plan["max_num_seqs"], plan["workload"]["p50"], 0)}
+    offload = plan.get("offload") or {}
+    if offload.get("lmcache_cpu_gib"):
+        section: dict[str, Any] = {"l1_gib": offload["lmcache_cpu_gib"],
+                                   "chunk_size": offload["chunk_tokens"]}
+        if offload.get("lmcache_disk_gib"):
+            section.update(disk_path=DISK_PATH_PLACEHOLDER, disk_gib=offload["lmcache_disk_gib"])
+        doc["offload"] = section
+    try:
+        parse_settings(doc, "kvops plan")
+    except KvopsPluginError as exc:  # a planner bug, not bad input: say so loudly
+        raise KvopsError(f"planner produced an invalid kvops.yaml: {exc}") from None
+    return doc
+
+
+def serve_command(model_ref: str, plan: dict[str, Any]) -> str:
+    """The ready ``vllm serve`` line for the plan (kvops.yaml next to it)."""
+    parts = [f"vllm serve {model_ref}",
+             f"--tensor-parallel-size {plan['tensor_parallel_size']}"]
+    if plan.get("pipeline_parallel_size", 1) > 1:
+        parts.append(f"--pipeline-parallel-size {plan['pipeline_parallel_size']}")
+    parts += [f"--gpu-memory-utilization {plan['gpu_memory_utilization']:.2f}",
+              f"--max-model-len {plan['max_model_len']}",
+              f"--max-num-seqs {plan['max_num_seqs']}",
+              f"--max-num-batched-tokens {plan['max_num_batched_tokens']}"]
+    if str(plan["kv_cache_dtype"]).startswith("fp8"):
+        parts.append(f"--kv-cache-dtype {plan['kv_cache_dtype']}")
+    parts.append("--additional-config '{\"kvops\": {\"config\": \"kvops.yaml\"}}'")
+    return " ".join(parts)
+
+
+def explain(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(quantity, value, why) rows for the human table."""
+    cap, nk, src = plan["capacity"], plan["non_kv"], plan["non_kv_sources"]
+    dominant = max(nk, key=nk.get)
+    why = plan["max_num_seqs_why"]
+    caps = ", ".join(f"{k} {v}" for k, v in why["caps"].items())
+    rows = [
+        ("gpu_memory_utilization", f"{plan['gpu_memory_utilization']:.2f}",
+         f"of {plan['gpu_total_gib']} GiB total (as the device reports it)"),
+        *[(f"  {key[:-4]}", f"{value:.2f} GiB", src[key]) for key, value in nk.items()],
+        ("non-KV memory", f"{sum(nk.values()):.2f} GiB", f"{dominant[:-4]} dominates"),
+        ("available KV", f"{plan['available_kv_gib']:.2f} GiB", "ceil(total × util) − non-KV"),
+        ("num_blocks", f"{cap['num_blocks']:,}", f"{cap['bytes_per_block']:,} B per block of {cap['block_size']} tokens"),
+        ("KV cache size", f"{cap['kv_cache_size_tokens']:,} tokens",
+         f"the server's log line; {cap['max_concurrency']:.2f}x at {plan['max_model_len']:,} tokens"),
+        ("max_num_seqs", str(plan["max_num_seqs"]),
+         f"{why['fit_at_quantile']} requests of {why['length_at_quantile']} tokens ({why['risk_quantile']}, "
+         f"{why['blocks_per_request_at_quantile']} blocks) fit in {why['usable_blocks']} usable blocks; "
+         f"caps: {caps}; bound by {why['binding']}; rounded down to a multiple of {why['rounded_to_capture_step']}; "
+         f"at the mean length ({why['mean_length']:.0f} tokens) {why['mean_load_concurrency']} would fit"),
+        ("max_num_batched_tokens", str(plan["max_num_batched_tokens"]), "as given, else vLLM's default for this device"),
+    ]
+    if plan.get("fp8_alternative"):
+        f8 = plan["fp8_alternative"]
+        rows.append(("with --kv-cache-dtype fp8", f"{f8['kv_cache_size_tokens']:,} tokens",
+                     f"{f8['capacity_ratio']:.2f}x the capacity; check accuracy first (kvops bench fp8)"))
+    off = plan.get("offload") or {}
+    if off.get("lmcache_cpu_gib"):
+        rows.append(("LMCache L1 / disk", f"{off['lmcache_cpu_gib']} / {off['lmcache_disk_gib'] or 0} GiB", off["why"]))
+    if off.get("warning"):
+        rows.append(("offload", "warning", off["warning"]))
+    rows += [("note", "", note) for note in plan.get("notes", [])]
+    return rows
