@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kvops.ops.cli.main import app
 from kvops.plugin.settings import parse_settings
 from typer.testing import CliRunner
@@ -272,3 +274,40 @@ def test_plan_imports_neither_vllm_nor_torch() -> None:
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+LINES = st.lists(st.text(alphabet="0123456789,-# abcx\t", max_size=12), max_size=6)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=LINES, header=st.sampled_from(["", "tokens\n", "prompt_tokens,output_tokens,count\n", "count\n"]))
+def test_fuzzed_lengths_files_exit_0_or_2(tmp_path: Path, lines: list[str], header: str) -> None:
+    path = tmp_path / "lengths.csv"
+    path.write_text(header + "\n".join(lines) + "\n")
+    code, out = invoke("plan", "--config", str(LLAMA_8B), "--gpu", "H100", "--max-model-len", "8192",
+                       "--lengths-file", str(path), "--json")
+    assert code in (0, 2), out
+    if code == 2:
+        assert out.startswith("kvops: ")
+        assert out.count("\n") == 1
+
+
+CAL_VALUES = st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=False) | st.text(max_size=6)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(broken=st.dictionaries(st.sampled_from(["device", "non_kv_gib", "device_total_gib", "includes_weights",
+                                               "weights_gib", "format", "surprise", "tensor_parallel_size"]),
+                              CAL_VALUES, min_size=1, max_size=3))
+def test_fuzzed_calibration_files_exit_0_or_2(tmp_path: Path, broken: dict[str, object]) -> None:
+    log = tmp_path / "server.log"
+    log.write_text(GPU_LOG)
+    cal = tmp_path / "cal.json"
+    assert invoke("verify", "--log", str(log), "--calibration-out", str(cal))[0] == 0
+    cal.write_text(json.dumps({**json.loads(cal.read_text()), **broken}))
+    code, out = invoke("plan", "--config", str(LLAMA_8B), "--gpu", "H100", "--max-model-len", "8192",
+                       "--calibration", str(cal), "--json")
+    assert code in (0, 2), out
+    if code == 2:
+        assert out.startswith("kvops: ")
+        assert out.count("\n") == 1
