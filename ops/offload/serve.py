@@ -19,6 +19,7 @@ from types import FrameType
 
 from kvops.ops.errors import KvopsError
 from kvops.ops.launch import ManagedServer, lmcache_server, log_tail
+from kvops.ops.offload.shm import remove_stale_segments
 from kvops.plugin.offload.preflight import check_disk_dir
 from kvops.plugin.offload.settings import OffloadSettings
 
@@ -30,6 +31,10 @@ def serve(
     on_ready: Callable[[ManagedServer], None],
 ) -> int:
     """Run until a signal arrives (returns 0) or the server dies (raises KvopsError)."""
+    freed = remove_stale_segments()
+    if freed:
+        sys.stderr.write(f"kvops: removed {freed / (1 << 30):.2f} GiB of stale LMCache KV "
+                         "segments from /dev/shm\n")
     if settings.disk_path is not None:
         _check_disk(settings)
     if settings.shared_l2_address is not None:
