@@ -106,7 +106,7 @@ STATES: tuple[State, ...] = (
         "queueing",
         "--max-num-seqs 1 under 8 users: requests queue for the single slot while KV is free",
         args=(*MAX_MODEL_LEN, "--max-num-seqs", "1"),
-        load=Load(users=8, prompt_words=60, max_tokens=24),
+        load=Load(users=8, prompt_words=20, max_tokens=8),
         ready={"waiting": 1},
         page_flags=("--max-num-seqs",),
     ),
@@ -167,8 +167,10 @@ STATES: tuple[State, ...] = (
     ),
     State(
         "admission-relaxed",
-        "the same load after raising max_queued_requests to 64: nothing is rejected",
-        args=(*ADMISSION_ARGS, *_admission(policy="strict", max_queued_requests=64)),
+        "the same load after raising the queue limits (64 requests, 4 caches of KV): nothing is "
+        "rejected",
+        args=(*ADMISSION_ARGS, *_admission(policy="strict", max_queued_requests=64,
+                                           max_queued_kv_fraction=4.0)),
         kv_cache_bytes=ADMISSION_KV_BYTES,
         load=Load(users=24, prompt_words=30, max_tokens=150),
         ready={"requests_finished": 8},
