@@ -110,8 +110,10 @@ class Stack:
                      .replace("{kvops_yaml}", str(self.lmcache.config)) for a in st.args)
         if st.lmcache:
             env.update(LMCACHE_URL=self.lmcache.url, KVOPS_YAML=str(self.lmcache.config))
-            if st.lmcache == "up" or not self.lmcache.started:
-                self.lmcache.start()  # a "down" state needs it up while vLLM starts
+            if st.lmcache == "up" or not st.refuses_start:
+                self.lmcache.start()  # a running "down" state needs it up while vLLM starts
+            else:
+                self.lmcache.stop()
         if not st.server:
             return env
         if st.refuses_start:
@@ -191,7 +193,6 @@ class LmcacheServer:
         self.config = root / "kvops.yaml"
         self.config.write_text(json.dumps({"offload": self.settings}))
         self.url = f"http://127.0.0.1:{self.settings['http_port']}"
-        self.started = False
         self._serve: Any = None
 
     def start(self) -> None:
@@ -208,7 +209,6 @@ class LmcacheServer:
             env={**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"},
         )
         self._serve.start(health_path="/healthcheck", timeout_s=READY_TIMEOUT_S)
-        self.started = True
 
     def stop(self) -> None:
         if self._serve is not None:
