@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 CALIBRATION_FORMAT: Final = "kvops-calibration/1"
 LOG_PRECISION_GIB = 0.005  # half of format_gib's 0.01 rounding
+MAX_GIB = 1e6  # no device or term is this large; bounds keep the arithmetic finite
 _NUM = r"([\d.]+)"
 # v1/engine/core.py:133 "Initializing a V1 LLM engine (v0.32.0) with config: model='…', …"
 _ENGINE = re.compile(r"Initializing a V1 LLM engine \(v(?P<version>[^)]+)\) with config: model='(?P<model>[^']*)'"
@@ -45,7 +46,7 @@ _GPU_CG_DISABLED = "CUDA graph memory profiling is disabled"  # gpu_worker.py:79
 class Calibration(BaseModel):
     """What one server measured; term fields are None where the log does not split them."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     format: Literal["kvops-calibration/1"] = "kvops-calibration/1"
     vllm_version: str
@@ -54,18 +55,18 @@ class Calibration(BaseModel):
     tensor_parallel_size: int = Field(ge=1)
     pipeline_parallel_size: int = Field(ge=1)
     kv_cache_dtype: str
-    device_total_gib: float = Field(gt=0)
+    device_total_gib: float = Field(gt=0, le=MAX_GIB)
     gpu_memory_utilization: float = Field(gt=0, le=1)
-    requested_gib: float = Field(gt=0)
-    available_kv_gib: float = Field(ge=0)
-    non_kv_gib: float
+    requested_gib: float = Field(gt=0, le=MAX_GIB)
+    available_kv_gib: float = Field(ge=0, le=MAX_GIB)
+    non_kv_gib: float = Field(ge=-MAX_GIB, le=MAX_GIB)
     """requested − available KV: everything the server kept for itself."""
     includes_weights: bool
     """True when non_kv_gib is one lump that includes the weights (CPU: the worker's RSS)."""
-    weights_gib: float | None = None
-    activation_gib: float | None = None
-    non_torch_gib: float | None = None
-    cudagraph_gib: float | None = None
+    weights_gib: float | None = Field(None, ge=-MAX_GIB, le=MAX_GIB)
+    activation_gib: float | None = Field(None, ge=-MAX_GIB, le=MAX_GIB)
+    non_torch_gib: float | None = Field(None, ge=-MAX_GIB, le=MAX_GIB)
+    cudagraph_gib: float | None = Field(None, ge=-MAX_GIB, le=MAX_GIB)
     precision_gib: float = LOG_PRECISION_GIB
     source: str
 
@@ -118,6 +119,17 @@ def calibration_from_log(text: str, source: str) -> Calibration:
     engine = _engine_fields(text)
     terms = _cpu_terms(text) if engine["device"] == "cpu" else _gpu_terms(text)
     return Calibration.model_validate({**engine, **terms, "source": source})
+
+
+def measured_from_log(text: str, source: str, *, required: bool) -> Calibration | None:
+    """The non-KV terms a log shows; None when it shows none and they were not asked for
+    (a server run with --kv-cache-memory-bytes can still be verified, just not calibrated)."""
+    try:
+        return calibration_from_log(text, source)
+    except BadInputError:
+        if required:
+            raise
+        return None
 
 
 def write_calibration(calibration: Calibration, path: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvops.ops.capacity.allocator import KVCapacity, SizingFlags, kv_capacity
-from kvops.ops.capacity.calibration import Calibration
+from kvops.ops.capacity.calibration import MAX_GIB, Calibration
 from kvops.ops.capacity.constants import (
     ACTIVATION_PEAK_GIB_PER_8K_TOKENS,
     CPU_SERVER_BATCH_DEFAULTS,
@@ -58,8 +58,8 @@ class PlanInputs:
 
 def gpu_total_gib(name: str | None, gib: float | None) -> float:
     if gib is not None:
-        if gib <= 0:
-            raise BadInputError(f"--gpu-memory-gib must be > 0, got {gib}")
+        if not 0 < gib <= MAX_GIB:
+            raise BadInputError(f"--gpu-memory-gib must be in (0, {MAX_GIB:.0f}], got {gib}")
         return gib
     key = (name or "H100").upper()
     if key not in GPU_CATALOG_GIB:
@@ -162,8 +162,8 @@ def non_kv_terms(inp: PlanInputs, max_num_seqs: int, mnbt: int) -> tuple[dict[st
     for key, (default, why) in defaults.items():
         given, measured = getattr(inp, key), getattr(cal, key, None) if cal else None
         if given is not None:
-            if given < 0:
-                raise BadInputError(f"--{key[:-4].replace('_', '-')}-gib must be >= 0, got {given}")
+            if not 0 <= given <= MAX_GIB:
+                raise BadInputError(f"--{key[:-4].replace('_', '-')}-gib must be in [0, {MAX_GIB:.0f}], got {given}")
             terms[key], sources[key] = given, f"--{key[:-4].replace('_', '-')}-gib"
         elif measured is not None:
             terms[key], sources[key] = measured, cal_source

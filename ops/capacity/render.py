@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvops.ops.capacity.allocator import SizingFlags
-from kvops.ops.capacity.calibration import load_calibration
+from kvops.ops.capacity.calibration import MAX_GIB, load_calibration
 from kvops.ops.capacity.model import load_config, model_dtype, read_model, text_config
 from kvops.ops.capacity.offload import OffloadInputs, recommend_offload
 from kvops.ops.capacity.outputs import explain, kvops_settings, offload_chunk_tokens, serve_command
@@ -88,6 +88,8 @@ def run_plan(req: PlanRequest) -> dict[str, Any]:
         raise BadInputError(f"--max-model-len must be >= 1, got {req.max_model_len}")
     if req.distinct_prefixes < 0 or req.prefix_tokens < 0:
         raise BadInputError("--distinct-prefixes and --prefix-tokens must be >= 0")
+    if req.host_memory_gib is not None and not 0 <= req.host_memory_gib <= MAX_GIB:
+        raise BadInputError(f"--host-memory-gib must be in [0, {MAX_GIB:.0f}], got {req.host_memory_gib}")
     raw = load_config(req.config)
     model = read_model(raw, tp=req.tp, kv_cache_dtype=req.kv_cache_dtype, draft_layers=req.draft_layers)
     fp8 = None

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvops.ops.capacity.calibration import Calibration
 from kvops.ops.errors import BadInputError, KvopsError
 
 # v1/core/kv_cache_utils.py update_kv_cache_capacity (one line since 0.2x; "GPU" or "CPU").
@@ -74,8 +75,35 @@ def fetch_metrics(url: str, timeout_s: float = 10.0) -> str:
     return response.text
 
 
-def compare(expected: dict[str, Any], observed: Observed) -> dict[str, Any]:
-    """Field-by-field comparison; ``explanation`` names the term that accounts for a gap."""
+def term_differences(plan_non_kv: dict[str, float], measured: Calibration) -> dict[str, float]:
+    """Measured − planned GiB per non-KV term, for the terms the server's log splits out."""
+    planned = {k: float(v) for k, v in plan_non_kv.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    if measured.includes_weights:
+        return {"non_kv_gib": round(measured.non_kv_gib - sum(planned.values()), 4)}
+    out = {}
+    for key, value in planned.items():
+        got = getattr(measured, key, None) if key in Calibration.model_fields else None
+        if isinstance(got, float):
+            out[key] = round(got - value, 4)
+    return out
+
+
+def verify_against(doc: dict[str, Any], observed: Observed, measured: Calibration | None) -> dict[str, Any]:
+    """Compare a kv-capacity or plan JSON with the server; name the non-KV term when both the
+    plan's terms and the log's measurements are there."""
+    capacity = doc.get("capacity")
+    expected = capacity if isinstance(capacity, dict) else doc
+    plan_non_kv = doc.get("non_kv")
+    terms = term_differences(plan_non_kv, measured) if measured and isinstance(plan_non_kv, dict) else None
+    return compare(expected, observed, terms)
+
+
+def compare(expected: dict[str, Any], observed: Observed, terms: dict[str, float] | None = None) -> dict[str, Any]:
+    """Field-by-field comparison; ``explanation`` names the term that accounts for a gap.
+
+    ``terms`` (measured − planned GiB per non-KV term, from the server's log) lets the
+    explanation name the term; without it only the size of the gap is known.
+    """
     fields = {"kv_cache_size_tokens": observed.kv_cache_size_tokens,
               "num_blocks": observed.num_blocks, "block_size": observed.block_size}
     diffs = {k: {"expected": expected.get(k), "observed": v} for k, v in fields.items()
@@ -85,8 +113,13 @@ def compare(expected: dict[str, Any], observed: Observed) -> dict[str, Any]:
         digits = 2 if observed.source == "log" else 6
         if round(conc, digits) != round(observed.max_concurrency, digits):
             diffs["max_concurrency"] = {"expected": conc, "observed": observed.max_concurrency}
+    explanation = _explain(expected, observed, diffs)
+    if diffs and terms:
+        worst = max(terms, key=lambda k: abs(terms[k]))
+        explanation += (f"; the server's log puts {worst[:-4]} at {terms[worst]:+.2f} GiB from the plan "
+                        "(the largest non-KV difference)")
     return {"match": not diffs, "source": observed.source, "differences": diffs,
-            "explanation": _explain(expected, observed, diffs)}
+            "non_kv_differences_gib": terms or {}, "explanation": explanation}
 
 
 def _explain(expected: dict[str, Any], observed: Observed, diffs: dict[str, Any]) -> str:

@@ -141,25 +141,24 @@ def verify_cmd(
     json_out: JsonOut = False,
 ) -> None:
     """Exit 0 when the server's KV sizing equals the plan, 3 when it differs."""
-    from kvops.ops.capacity.calibration import calibration_from_log, write_calibration
-    from kvops.ops.capacity.verify import compare, fetch_metrics, parse_log, parse_metrics
+    from kvops.ops.capacity.calibration import measured_from_log, write_calibration
+    from kvops.ops.capacity.verify import fetch_metrics, parse_log, parse_metrics, verify_against
 
     if (url is None) == (log is None):
         raise BadInputError("pass exactly one of --url or --log")
     if expect is None and calibration_out is None:
         raise BadInputError("pass --expect (compare with a plan) and/or --calibration-out (write a calibration)")
-    if calibration_out is not None:
-        if log is None:
-            raise BadInputError("--calibration-out needs --log: the non-KV terms are only in the startup log")
-        cal = calibration_from_log(_read(log), str(log))
+    if calibration_out is not None and log is None:
+        raise BadInputError("--calibration-out needs --log: the non-KV terms are only in the startup log")
+    cal = measured_from_log(_read(log), str(log), required=calibration_out is not None) if log else None
+    if calibration_out is not None and cal is not None:
         write_calibration(cal, calibration_out)
         typer.echo(f"calibration written to {calibration_out}: non-KV {cal.non_kv_gib} GiB of "
                    f"{cal.requested_gib} GiB requested ({cal.device}, vLLM {cal.vllm_version})")
     if expect is None:
         return
-    expected = _expected(expect)
     observed = parse_metrics(fetch_metrics(url)) if url else parse_log(_read(log))
-    result = compare(expected, observed)
+    result = verify_against(_expected(expect), observed, cal)
     typer.echo(json.dumps(result) if json_out else result["explanation"])
     if not result["match"]:
         raise CheckFailedError(f"server differs from the plan: {json.dumps(result['differences'])}")
@@ -172,8 +171,7 @@ def _expected(expect: Path) -> dict[str, Any]:
         raise BadInputError(f"--expect {expect}: {exc}") from None
     if not isinstance(expected, dict):
         raise BadInputError(f"--expect {expect}: must be a JSON object from kv-capacity/plan --json")
-    inner = expected.get("capacity", expected)
-    return inner if isinstance(inner, dict) else expected
+    return expected
 
 
 def _read(path: Path | None) -> str:

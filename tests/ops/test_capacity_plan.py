@@ -311,3 +311,32 @@ def test_fuzzed_calibration_files_exit_0_or_2(tmp_path: Path, broken: dict[str, 
     if code == 2:
         assert out.startswith("kvops: ")
         assert out.count("\n") == 1
+
+
+def test_verify_names_the_non_kv_term_that_explains_a_gap(tmp_path: Path) -> None:
+    # A plan from defaults (weights estimated from config.json) against the server's log: the
+    # token counts differ, and the log's own split says which term is furthest off.
+    result = plan("--config", str(LLAMA_8B), "--gpu", "H100", "--gpu-memory-utilization", "0.9",
+                  "--max-model-len", "8192")
+    expect, log = tmp_path / "plan.json", tmp_path / "server.log"
+    expect.write_text(json.dumps(result))
+    log.write_text(GPU_LOG)
+    code, out = invoke("verify", "--log", str(log), "--expect", str(expect), "--json")
+    assert code == 3
+    report = json.loads(out.splitlines()[0])
+    measured = {"weights_gib": 14.99, "non_torch_gib": 15.24 - 14.99, "activation_gib": 2.73 - 0.84,
+                "cudagraph_gib": 0.84}
+    gaps = {k: measured[k] - result["non_kv"][k] for k in measured}
+    assert report["non_kv_differences_gib"] == pytest.approx(gaps, abs=1e-3)
+    worst = max(gaps, key=lambda k: abs(gaps[k]))
+    assert f"puts {worst[:-4]} at" in report["explanation"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(option=st.sampled_from(["--activation-gib", "--non-torch-gib", "--cudagraph-gib", "--gpu-memory-gib",
+                               "--host-memory-gib", "--gpu-memory-utilization"]),
+       value=st.sampled_from(["inf", "-inf", "nan", "-1", "1e300", "0"]))
+def test_fuzzed_gib_options_exit_0_or_2(option: str, value: str) -> None:
+    code, out = invoke("plan", "--config", str(LLAMA_8B), "--max-model-len", "8192", "--distinct-prefixes", "3",
+                       "--prefix-tokens", "100", option, value)
+    assert code in (0, 2), out
