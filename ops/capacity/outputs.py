@@ -16,6 +16,7 @@ from kvops.ops.capacity.offload import LMCACHE_CHUNK_TOKENS
 from kvops.ops.errors import KvopsError
 
 DISK_PATH_PLACEHOLDER = "/var/lib/kvops/lmcache"
+DEFAULT_ADMISSION_HEADROOM = 0.02  # recommended_settings' own default, used when --headroom is 0
 
 
 def offload_chunk_tokens(block_size: int) -> int:
@@ -30,8 +31,9 @@ def kvops_settings(plan: dict[str, Any]) -> dict[str, Any]:
     from kvops.plugin.settings import parse_settings
 
     cap = plan["capacity"]
+    headroom = plan["max_num_seqs_why"]["headroom_fraction"] or DEFAULT_ADMISSION_HEADROOM
     doc: dict[str, Any] = {"admission": recommended_settings(
-        cap["num_blocks"], cap["block_size"], plan["max_num_seqs"], plan["workload"]["p50"], 0)}
+        cap["num_blocks"], cap["block_size"], plan["max_num_seqs"], plan["workload"]["p50"], 0, headroom)}
     offload = plan.get("offload") or {}
     if offload.get("lmcache_cpu_gib"):
         section: dict[str, Any] = {"l1_gib": offload["lmcache_cpu_gib"],
@@ -79,7 +81,8 @@ def explain(plan: dict[str, Any]) -> list[tuple[str, str, str]]:
          f"the server's log line; {cap['max_concurrency']:.2f}x at {plan['max_model_len']:,} tokens"),
         ("max_num_seqs", str(plan["max_num_seqs"]),
          f"{why['fit_at_quantile']} requests of {why['length_at_quantile']} tokens ({why['risk_quantile']}, "
-         f"{why['blocks_per_request_at_quantile']} blocks) fit in {why['usable_blocks']} usable blocks; "
+         f"{why['blocks_per_request_at_quantile']} blocks) fit in {why['budget_blocks']} of {why['usable_blocks']} "
+         f"usable blocks (headroom {why['headroom_fraction']:.0%}); "
          f"caps: {caps}; bound by {why['binding']}; rounded down to a multiple of {why['rounded_to_capture_step']}; "
          f"at the mean length ({why['mean_length']:.0f} tokens) {why['mean_load_concurrency']} would fit"),
         ("max_num_batched_tokens", str(plan["max_num_batched_tokens"]), "as given, else vLLM's default for this device"),

@@ -47,6 +47,7 @@ class PlanInputs:
     gpu_memory_utilization: float | None = None
     target_concurrency: int | None = None
     risk_quantile: str = "p95"
+    headroom_fraction: float = 0.0  # KV blocks kept free beyond max_num_seqs risk-quantile requests
     max_num_batched_tokens: int | None = None
     weights_bytes: int | None = None
     activation_gib: float | None = None
@@ -179,6 +180,7 @@ def blocks_for_tokens(cap: KVCapacity, flags: SizingFlags, tokens: int) -> int:
 
 def derive_max_num_seqs(
     cap: KVCapacity, flags: SizingFlags, work: Workload, risk: str, mnbt: int, default_seqs: int,
+    headroom: float = 0.0,
 ) -> tuple[int, dict[str, Any]]:
     """Requests of the risk-quantile length that fit in the usable pool, then vLLM's caps.
 
@@ -188,9 +190,10 @@ def derive_max_num_seqs(
     the mamba-block rule, config/compilation.py:1503-1524), and the rounding to a capture size.
     """
     usable = cap.num_blocks - 1  # block 0 is the null block (v1/core/block_pool.py)
+    budget = math.floor(usable * (1 - headroom))
     length = work.length_at(risk)
     per_request = blocks_for_tokens(cap, flags, length)
-    fit = usable // per_request
+    fit = budget // per_request
     caps = {"vllm_default": default_seqs, "max_num_batched_tokens": mnbt}
     if any(g.kind == "mamba" for g in cap.groups):
         caps["mamba_blocks"] = cap.num_blocks
@@ -201,7 +204,8 @@ def derive_max_num_seqs(
     mean_blocks = blocks_for_tokens(cap, flags, math.ceil(work.mean()))
     return rounded, {
         "risk_quantile": risk, "length_at_quantile": length, "blocks_per_request_at_quantile": per_request,
-        "usable_blocks": usable, "fit_at_quantile": fit, "caps": caps,
+        "usable_blocks": usable, "headroom_fraction": headroom, "budget_blocks": budget,
+        "fit_at_quantile": fit, "caps": caps,
         "binding": "fit_at_quantile" if fit <= caps[binding] else binding,
         "rounded_to_capture_step": step, "mean_length": work.mean(),
         "mean_load_concurrency": usable // mean_blocks,
@@ -212,8 +216,8 @@ def _solve_util(model: ModelKV, flags: SizingFlags, inp: PlanInputs, work: Workl
     util = inp.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     if inp.target_concurrency:
         probe = kv_capacity(model, 1 << 62, flags)
-        need = probe.bytes_per_block * (inp.target_concurrency * blocks_for_tokens(
-            probe, flags, work.length_at(inp.risk_quantile)) + 1)
+        blocks = inp.target_concurrency * blocks_for_tokens(probe, flags, work.length_at(inp.risk_quantile))
+        need = probe.bytes_per_block * (math.ceil(blocks / (1 - inp.headroom_fraction)) + 1)
         util = math.ceil((nonkv_bytes + need) / (inp.gpu_total_gib * GIB) * 100) / 100
     if not 0 < util <= 1:
         raise BadInputError(f"gpu_memory_utilization {util:.2f} is outside (0, 1]: the target does not fit this GPU")
@@ -238,7 +242,8 @@ def make_plan(
         raise BadInputError(f"non-KV memory {nonkv_bytes / GIB:.2f} GiB exceeds {util:.2f} of {inp.gpu_total_gib} GiB; "
                             "raise --tensor-parallel-size or use a larger GPU")
     cap = kv_capacity(model, available, flags)
-    seqs, seqs_why = derive_max_num_seqs(cap, flags, work, inp.risk_quantile, mnbt, default_seqs)
+    seqs, seqs_why = derive_max_num_seqs(cap, flags, work, inp.risk_quantile, mnbt, default_seqs,
+                                         inp.headroom_fraction)
     fp8 = None
     if fp8_model is not None:
         fcap = kv_capacity(fp8_model, available, flags)

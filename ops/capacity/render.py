@@ -40,6 +40,7 @@ class PlanRequest:
     quantiles: tuple[int | None, int | None, int | None] = (None, None, None)
     lengths_file: Path | None = None
     risk_quantile: str = "p95"
+    headroom_fraction: float = 0.0
     target_concurrency: int | None = None
     gpu_memory_utilization: float | None = None
     max_num_batched_tokens: int | None = None
@@ -67,6 +68,8 @@ def _workload(req: PlanRequest) -> Workload:
 def _inputs(req: PlanRequest, raw: dict[str, Any]) -> PlanInputs:
     if req.gpu_memory_utilization is not None and not 0 < req.gpu_memory_utilization <= 1:
         raise BadInputError(f"--gpu-memory-utilization {req.gpu_memory_utilization} must be in (0, 1]")
+    if not 0 <= req.headroom_fraction <= 0.9:
+        raise BadInputError(f"--headroom must be in [0, 0.9], got {req.headroom_fraction}")
     if req.target_concurrency is not None and req.target_concurrency < 1:
         raise BadInputError(f"--target-concurrency must be >= 1, got {req.target_concurrency}")
     calibration = load_calibration(req.calibration) if req.calibration else None
@@ -78,7 +81,7 @@ def _inputs(req: PlanRequest, raw: dict[str, Any]) -> PlanInputs:
     return PlanInputs(
         gpu_total_gib=gpu_total_gib(req.gpu, total), tp=req.tp, pp=req.pp, device=req.device,
         gpu_memory_utilization=req.gpu_memory_utilization, target_concurrency=req.target_concurrency,
-        risk_quantile=req.risk_quantile, max_num_batched_tokens=req.max_num_batched_tokens,
+        risk_quantile=req.risk_quantile, headroom_fraction=req.headroom_fraction, max_num_batched_tokens=req.max_num_batched_tokens,
         weights_bytes=weights, activation_gib=req.activation_gib, non_torch_gib=req.non_torch_gib,
         cudagraph_gib=req.cudagraph_gib, calibration=calibration, model_ref=_model_ref(req.config, req.model_dir))
 
@@ -99,6 +102,9 @@ def run_plan(req: PlanRequest) -> dict[str, Any]:
     plan: dict[str, Any] = make_plan(model, SizingFlags(max_model_len=req.max_model_len), _inputs(req, raw),
                                      work, req.gpu, fp8)
     plan["weights_source"] = "safetensors headers" if req.model_dir else "estimate from config.json"
+    if req.model_dir is None and not plan["non_kv_sources"]["weights_gib"].startswith("calibration"):
+        plan["notes"].append("weights estimated from config.json (dense formula); pass --model-dir for the "
+                             "exact safetensors bytes")
     if req.draft_layers:
         plan["notes"].append(f"KV sized with {req.draft_layers} drafter layer(s): serve with your "
                              "--speculative-config (method mtp/eagle) so vLLM builds them")

@@ -79,8 +79,11 @@ def _nearest_rank(histogram: tuple[tuple[int, int], ...], q: float) -> int:
 
 
 def from_quantiles(max_model_len: int, p50: int | None, p95: int | None, p99: int | None) -> Workload:
-    """Missing quantiles default to max_model_len (the worst case vLLM itself sizes for)."""
-    q50, q95, q99 = (q if q is not None else max_model_len for q in (p50, p95, p99))
+    """A missing quantile takes the next higher one given; p99 defaults to max_model_len (the
+    worst case vLLM itself sizes for)."""
+    q99 = p99 if p99 is not None else max_model_len
+    q95 = p95 if p95 is not None else q99
+    q50 = p50 if p50 is not None else q95
     for name, value in (("--p50", q50), ("--p95", q95), ("--p99", q99)):
         if value < 1 or value > max_model_len:
             raise BadInputError(f"{name} {value} must be in [1, --max-model-len {max_model_len}]")

@@ -103,6 +103,8 @@ def plan_cmd(
         "--lengths-file", help="CSV of real request lengths: tokens | prompt_tokens,output_tokens [,count].")] = None,
     risk_quantile: Annotated[str, typer.Option(
         "--risk-quantile", help="Length quantile max_num_seqs must fit without preemption: p95 or 0.95.")] = "p95",
+    headroom: Annotated[float, typer.Option(
+        "--headroom", help="Fraction of KV blocks kept free beyond max_num_seqs requests (also admission's).")] = 0.0,
     target_concurrency: Annotated[int | None, typer.Option("--target-concurrency")] = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option("--gpu-memory-utilization")] = None,
     max_num_batched_tokens: Mnbt = None,
@@ -125,7 +127,7 @@ def plan_cmd(
         tp=tensor_parallel_size, pp=pipeline_parallel_size, device=device, kv_cache_dtype=kv_cache_dtype,
         draft_layers=draft_layers,
         model_dir=model_dir, quantiles=(p50, p95, p99), lengths_file=lengths_file, risk_quantile=risk_quantile,
-        target_concurrency=target_concurrency, gpu_memory_utilization=gpu_memory_utilization,
+        headroom_fraction=headroom, target_concurrency=target_concurrency, gpu_memory_utilization=gpu_memory_utilization,
         max_num_batched_tokens=max_num_batched_tokens, activation_gib=activation_gib, non_torch_gib=non_torch_gib,
         cudagraph_gib=cudagraph_gib, calibration=calibration, distinct_prefixes=distinct_prefixes,
         prefix_tokens=prefix_tokens, host_memory_gib=host_memory_gib))

@@ -340,3 +340,27 @@ def test_fuzzed_gib_options_exit_0_or_2(option: str, value: str) -> None:
     code, out = invoke("plan", "--config", str(LLAMA_8B), "--max-model-len", "8192", "--distinct-prefixes", "3",
                        "--prefix-tokens", "100", option, value)
     assert code in (0, 2), out
+
+
+def test_headroom_keeps_blocks_free_and_reaches_admission() -> None:
+    base = plan("--config", str(LLAMA_8B), "--gpu", "H100", "--max-model-len", "8192", "--p50", "500",
+                "--p95", "2000", "--p99", "4000")
+    half = plan("--config", str(LLAMA_8B), "--gpu", "H100", "--max-model-len", "8192", "--p50", "500",
+                "--p95", "2000", "--p99", "4000", "--headroom", "0.5")
+    why = half["max_num_seqs_why"]
+    # 2000 tokens = 125 blocks of 16; half of the usable blocks stay free.
+    assert why["blocks_per_request_at_quantile"] == 125
+    assert half["max_num_seqs"] * 125 <= (half["capacity"]["num_blocks"] - 1) / 2
+    assert half["max_num_seqs"] < base["max_num_seqs"]
+    assert half["kvops_yaml"]["admission"]["headroom_fraction"] == 0.5
+    code, out = invoke("plan", "--config", str(LLAMA_8B), "--max-model-len", "8192", "--headroom", "0.95")
+    assert code == 2
+    assert "--headroom" in out
+
+
+def test_target_concurrency_with_headroom_fits_the_target() -> None:
+    result = plan("--config", str(LLAMA_8B), "--gpu", "H100", "--max-model-len", "8192", "--p95", "4000",
+                  "--target-concurrency", "60", "--headroom", "0.2")
+    why = result["max_num_seqs_why"]
+    assert why["fit_at_quantile"] >= 60
+    assert result["gpu_memory_utilization"] <= 1
