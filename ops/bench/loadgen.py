@@ -107,12 +107,12 @@ def max_rate(work: Path) -> dict[str, Any]:
 
 
 def run() -> dict[str, Any]:
-    from kvops.ops.models.tiny import build_tiny_model
+    from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvops-bench-loadgen-") as tmp:
         work = Path(tmp)
-        model = build_tiny_model(work / "tiny")
+        model = build_tiny_model(work / "tiny", TinyModelSpec())
         server = vllm_server(model, ["--max-model-len", "2048"], log_path=work / "vllm.log")
         server.start()
         try:
