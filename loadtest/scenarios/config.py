@@ -73,6 +73,8 @@ class TtftRegressionConfig(_Strict):
     duration_s: float = Field(30.0, gt=0)
     threshold_rel: float = Field(0.25, ge=0)
     """A metric regresses when the lower end of its CI of relative change exceeds this."""
+    scrape_interval_s: float = Field(1.0, gt=0)
+    """/metrics sampling period; each scrape costs the server's API process a few ms."""
     min_abs_s: float = Field(0.005, ge=0)
     confidence: float = Field(0.95, gt=0, lt=1)
     resamples: int = Field(1000, ge=100)

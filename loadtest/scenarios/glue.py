@@ -104,7 +104,8 @@ def wire(scenario: str) -> None:
     def _start(environment: Environment, **_: Any) -> None:
         if isinstance(environment.runner, WorkerRunner) or hasattr(environment, "kvops_scraper"):
             return
-        scraper = MetricsScraper(str(environment.host))
+        interval = float(getattr(config_of(environment), "scrape_interval_s", 1.0))
+        scraper = MetricsScraper(str(environment.host), interval_s=interval)
         scraper.sample_now()
         environment.kvops_started_at = time.time()  # type: ignore[attr-defined]
         scraper.start()

@@ -33,8 +33,10 @@ FAKE_RATES = (50.0, 100.0, 200.0, 400.0)
 
 
 def _scenario(path: Path, users: int = 32) -> Path:
+    # one /metrics scrape at each end only: vllm bench serve does not scrape during its run,
+    # and each scrape takes the server's API process (which writes the SSE) a few ms
     path.write_text(f"workload: {{prompt_words: {INPUT_WORDS}, max_tokens: {OUTPUT_TOKENS}}}\n"
-                    f"users: {users}\n")
+                    f"users: {users}\nscrape_interval_s: 600\n")
     return path
 
 
