@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvops.loadtest.analysis.tokens import served_model
 from kvops.loadtest.finalize import load_baseline
 from kvops.loadtest.scenarios.config import HERE, SCENARIOS, KvExhaustionConfig, load_config
 from kvops.loadtest.scenarios.workloads import load_dataset
@@ -64,6 +65,7 @@ def _kvops_args(req: LoadtestRequest) -> list[str]:
 def run(req: LoadtestRequest) -> dict[str, Any]:
     """Run the scenario, wait for it, and return its result JSON (exit_code inside)."""
     planned_s = validate(req)
+    served_model(req.url)  # an unreachable server fails here, in one line, not in Locust's log
     req.out_dir.mkdir(parents=True, exist_ok=True)
     base = [sys.executable, "-m", "locust", "-f", str(locustfile(req.scenario))]
     common = ["--headless", "--only-summary", "--host", req.url.rstrip("/"), "--stop-timeout", "0"]

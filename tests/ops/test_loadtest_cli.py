@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
-
 from kvops.ops.cli.main import app
+from typer.testing import CliRunner
 
 URL = "http://127.0.0.1:9"  # nothing listens: bad input must be caught before any connection
 
@@ -28,7 +27,8 @@ def test_scenario_file_with_unknown_key_names_key_and_file(tmp_path):
     path.write_text("steps: [1, 2]\nstepz: 3\n")
     res = _run("loadtest", "kv-exhaustion", "--url", URL, "--scenario-file", str(path))
     assert res.exit_code == 2
-    assert "stepz" in res.output and str(path) in res.output
+    assert "stepz" in res.output
+    assert str(path) in res.output
 
 
 @pytest.mark.parametrize(("line", "expected"), [
@@ -40,7 +40,8 @@ def test_bad_dataset_line(tmp_path, line, expected):
     path.write_text(json.dumps({"prompt": "ok"}) + "\n" + line + "\n")
     res = _run("loadtest", "prefix-miss", "--url", URL, "--dataset", str(path))
     assert res.exit_code == 2
-    assert expected in res.output and str(path) in res.output
+    assert expected in res.output
+    assert str(path) in res.output
 
 
 def test_rate_only_for_ttft_regression():
@@ -68,4 +69,12 @@ def test_diagnose_bad_result_file(tmp_path):
 def test_diagnose_unreachable_server_is_an_error_not_a_traceback():
     res = _run("diagnose", "--url", URL, "--window", "0")
     assert res.exit_code == 1
-    assert "cannot read" in res.output and "Traceback" not in res.output
+    assert "cannot read" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_unreachable_server_fails_in_one_line_before_locust_starts(tmp_path):
+    res = _run("loadtest", "prefix-miss", "--url", URL, "--out", str(tmp_path / "out"))
+    assert res.exit_code == 1
+    assert "cannot list models at http://127.0.0.1:9/v1/models" in res.output
+    assert not (tmp_path / "out").exists()
