@@ -1,0 +1,46 @@
+"""Connector stats merge as vLLM merges them (worker + scheduler, every step), and the KV bytes
+per token the connector reports follow the KV formula for vLLM's CPU cache layout."""
+
+from __future__ import annotations
+
+import torch
+
+from kvops.plugin.offload.stats import OffloadStats
+
+
+def test_stats_sum_counters_extend_series_and_keep_the_worst_health():
+    worker = OffloadStats()
+    worker.add("kvops_loaded_bytes", 100)
+    worker.observe("kvops_load_seconds", 0.5)
+    worker.error("corrupt", 2)
+    scheduler = OffloadStats()
+    scheduler.add("kvops_lookups", 1)
+    scheduler.set_degraded(True)
+    scheduler.error("corrupt", 1)
+    later = OffloadStats()
+    later.set_degraded(False)
+    merged = worker.aggregate(scheduler).aggregate(later)
+    assert merged.data["kvops_loaded_bytes"] == 100
+    assert merged.data["kvops_load_seconds"] == [0.5]
+    assert merged.data["kvops_errors"] == {"corrupt": 3}
+    assert merged.data["kvops_degraded"] == 1
+    assert merged.reduce()["kvops_errors"] == 3
+
+
+def test_empty_unless_something_was_seen_or_health_reported():
+    assert OffloadStats().is_empty()
+    healthy = OffloadStats()
+    healthy.set_degraded(False)
+    assert not healthy.is_empty()  # health is reported every step, even when idle
+    snapshot = healthy.clone_and_reset()
+    assert healthy.is_empty()
+    assert snapshot.data["kvops_degraded"] == 0
+
+
+def test_kv_bytes_per_token_matches_the_formula_for_the_cpu_layout():
+    from kvops.plugin.offload.connector import kv_bytes_per_token
+
+    layers, heads, head_dim, block, blocks = 4, 2, 64, 128, 5
+    caches = {f"l{i}": torch.zeros(blocks, heads, block, 2 * head_dim, dtype=torch.bfloat16)
+              for i in range(layers)}
+    assert kv_bytes_per_token(caches, block) == 2 * layers * heads * head_dim * 2
