@@ -13,10 +13,12 @@ precision; the file records it.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
+from kvops.ops.capacity.constants import GIB
 from kvops.ops.errors import BadInputError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -119,6 +121,36 @@ def calibration_from_log(text: str, source: str) -> Calibration:
     engine = _engine_fields(text)
     terms = _cpu_terms(text) if engine["device"] == "cpu" else _gpu_terms(text)
     return Calibration.model_validate({**engine, **terms, "source": source})
+
+
+def calibration_from_metrics(
+    labels: dict[str, str], plan: dict[str, Any], version: str, model: str, source: str,
+) -> Calibration:
+    """Non-KV memory from a live server's block count: ``ceil(total × util) − num_blocks ×
+    bytes_per_block``, exact to half a block. The device total and bytes per block come from
+    the plan the server was started from (``kvops plan --json``); /metrics carries neither."""
+    capacity = plan.get("capacity")
+    if not isinstance(capacity, dict) or not isinstance(plan.get("gpu_total_gib"), int | float):
+        raise BadInputError("--calibration-out with --url needs --expect from `kvops plan --json` "
+                            "(its device total and bytes per block)")
+    if labels.get("kv_cache_memory_bytes") not in (None, "None", ""):
+        raise BadInputError("the server ran with --kv-cache-memory-bytes, so it measured no non-KV memory; "
+                            "start it with --gpu-memory-utilization instead to calibrate")
+    try:
+        util, blocks = float(labels["gpu_memory_utilization"]), int(labels["num_gpu_blocks"])
+        block_bytes, total = int(capacity["bytes_per_block"]), float(plan["gpu_total_gib"])
+    except (KeyError, ValueError, TypeError) as exc:
+        raise BadInputError(f"cannot calibrate from these metrics and this plan: missing {exc}") from None
+    requested = math.ceil(total * GIB * util)  # v1/worker/utils.py:724-726, cpu_worker.py:74
+    available = blocks * block_bytes + block_bytes / 2  # floor(available / bytes_per_block) = blocks
+    return Calibration.model_validate({
+        "vllm_version": version, "device": plan.get("device", "cuda"), "model": model,
+        "tensor_parallel_size": plan.get("tensor_parallel_size", 1),
+        "pipeline_parallel_size": plan.get("pipeline_parallel_size", 1),
+        "kv_cache_dtype": labels.get("cache_dtype", "auto"), "device_total_gib": total,
+        "gpu_memory_utilization": util, "requested_gib": requested / GIB, "available_kv_gib": available / GIB,
+        "non_kv_gib": (requested - available) / GIB, "includes_weights": True,
+        "precision_gib": block_bytes / 2 / GIB, "source": source})
 
 
 def measured_from_log(text: str, source: str, *, required: bool) -> Calibration | None:

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvops.ops.capacity.calibration import Calibration
+from kvops.ops.capacity.calibration import Calibration, calibration_from_metrics, measured_from_log
 from kvops.ops.errors import BadInputError, KvopsError
 
 # v1/core/kv_cache_utils.py update_kv_cache_capacity (one line since 0.2x; "GPU" or "CPU").
@@ -47,11 +47,16 @@ def _opt_int(labels: dict[str, str], key: str) -> int | None:
     return int(value) if value not in (None, "None", "") and str(value).isdigit() else None
 
 
-def parse_metrics(text: str) -> Observed:
+def cache_config_labels(text: str) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info`` (v1/metrics/loggers.py: CacheConfig as labels)."""
     m = INFO_LINE.search(text)
     if not m:
         raise BadInputError("no vllm:cache_config_info in /metrics; is this a vLLM server?")
-    labels = dict(LABEL.findall(m["labels"]))
+    return dict(LABEL.findall(m["labels"]))
+
+
+def parse_metrics(text: str) -> Observed:
+    labels = cache_config_labels(text)
     tokens = _opt_int(labels, "kv_cache_size_tokens")
     if tokens is None:
         raise BadInputError("vllm:cache_config_info has no kv_cache_size_tokens label (vLLM < 0.2x?)")
@@ -61,6 +66,20 @@ def parse_metrics(text: str) -> Observed:
         max_concurrency=float(conc) if conc not in (None, "None", "") else None,
         num_blocks=_opt_int(labels, "num_gpu_blocks"), block_size=_opt_int(labels, "block_size"),
         source="metrics")
+
+
+def fetch_identity(url: str, timeout_s: float = 10.0) -> tuple[str, str]:
+    """(vLLM version, served model) from the server's /version and /v1/models."""
+    import requests
+
+    base = url.rstrip("/").removesuffix("/metrics")
+    try:
+        version = requests.get(base + "/version", timeout=timeout_s).json()["version"]
+        models = requests.get(base + "/v1/models", timeout=timeout_s).json()["data"]
+    except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
+        raise KvopsError(f"cannot read {base}/version and /v1/models: {exc}; check --url") from None
+    first = models[0] if models else {}
+    return str(version), str(first.get("root") or first.get("id") or "?")
 
 
 def fetch_metrics(url: str, timeout_s: float = 10.0) -> str:
@@ -137,3 +156,22 @@ def _explain(expected: dict[str, Any], observed: Observed, diffs: dict[str, Any]
                 "activation peak, non-torch, CUDA graphs, or gpu_memory_utilization); "
                 "write a calibration with --calibration-out and plan with --calibration")
     return "capacity differs: available KV bytes or per-request blocks differ"
+
+
+def read_server(
+    url: str | None, log_text: str | None, log_source: str, plan_doc: dict[str, Any], *,
+    compare: bool, calibrate: bool,
+) -> tuple[Observed | None, Calibration | None]:
+    """What the server decided (for a comparison) and what it measured (for a calibration).
+
+    From a log the non-KV split is read when the log has it (and required when calibrating);
+    from a URL the calibration is the live block count against the plan the server ran.
+    """
+    if url is not None:
+        metrics = fetch_metrics(url)
+        cal = calibration_from_metrics(cache_config_labels(metrics), plan_doc, *fetch_identity(url),
+                                       url) if calibrate else None
+        return (parse_metrics(metrics) if compare else None), cal
+    assert log_text is not None
+    cal = measured_from_log(log_text, log_source, required=calibrate)
+    return (parse_log(log_text) if compare else None), cal

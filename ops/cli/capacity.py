@@ -139,28 +139,28 @@ def verify_cmd(
     url: Annotated[str | None, typer.Option("--url", help="Server base URL (reads /metrics).")] = None,
     log: Annotated[Path | None, typer.Option("--log", help="Server startup log.")] = None,
     calibration_out: Annotated[Path | None, typer.Option(
-        "--calibration-out", help="Write the non-KV terms the log shows, for plan --calibration.")] = None,
+        "--calibration-out", help="Write measured non-KV memory for plan --calibration (--log, or --url with "
+        "--expect from plan --json).")] = None,
     json_out: JsonOut = False,
 ) -> None:
     """Exit 0 when the server's KV sizing equals the plan, 3 when it differs."""
-    from kvops.ops.capacity.calibration import measured_from_log, write_calibration
-    from kvops.ops.capacity.verify import fetch_metrics, parse_log, parse_metrics, verify_against
+    from kvops.ops.capacity.calibration import write_calibration
+    from kvops.ops.capacity.verify import read_server, verify_against
 
     if (url is None) == (log is None):
         raise BadInputError("pass exactly one of --url or --log")
     if expect is None and calibration_out is None:
         raise BadInputError("pass --expect (compare with a plan) and/or --calibration-out (write a calibration)")
-    if calibration_out is not None and log is None:
-        raise BadInputError("--calibration-out needs --log: the non-KV terms are only in the startup log")
-    cal = measured_from_log(_read(log), str(log), required=calibration_out is not None) if log else None
+    doc = _expected(expect) if expect else {}
+    observed, cal = read_server(url, _read(log) if log else None, str(log), doc,
+                                compare=expect is not None, calibrate=calibration_out is not None)
     if calibration_out is not None and cal is not None:
         write_calibration(cal, calibration_out)
-        typer.echo(f"calibration written to {calibration_out}: non-KV {cal.non_kv_gib} GiB of "
-                   f"{cal.requested_gib} GiB requested ({cal.device}, vLLM {cal.vllm_version})")
-    if expect is None:
+        typer.echo(f"calibration written to {calibration_out}: non-KV {cal.non_kv_gib:.3f} GiB of "
+                   f"{cal.requested_gib:.3f} GiB requested ({cal.device}, vLLM {cal.vllm_version})")
+    if observed is None:
         return
-    observed = parse_metrics(fetch_metrics(url)) if url else parse_log(_read(log))
-    result = verify_against(_expected(expect), observed, cal)
+    result = verify_against(doc, observed, cal)
     typer.echo(json.dumps(result) if json_out else result["explanation"])
     if not result["match"]:
         raise CheckFailedError(f"server differs from the plan: {json.dumps(result['differences'])}")

@@ -129,3 +129,15 @@ def test_calibration_from_a_real_server_predicts_its_blocks(vllm, tiny_model, tm
     assert abs(plan["capacity"]["num_blocks"] - observed.num_blocks) <= tolerance
     # The tolerance is small against the pool, so the check above is not vacuous.
     assert tolerance < 0.05 * observed.num_blocks
+    # The same server through /metrics: its block count against the plan gives the non-KV memory
+    # to half a block; it must agree with what the log said (rounded to 0.01 GiB).
+    expect = tmp_path / "plan.json"
+    expect.write_text(result.stdout)
+    from_url = tmp_path / "calibration-url.json"
+    written = runner.invoke(app, ["verify", "--url", server.url, "--expect", str(expect),
+                                  "--calibration-out", str(from_url)])
+    assert written.exit_code in (0, 3), written.output  # 3: the plan missed by a few blocks
+    url_cal = json.loads(from_url.read_text())
+    assert (url_cal["model"], url_cal["vllm_version"]) == (str(tiny_model), vllm_pkg.__version__)
+    slack = 2 * cal["precision_gib"] + url_cal["precision_gib"]
+    assert abs(url_cal["non_kv_gib"] - cal["non_kv_gib"]) <= slack

