@@ -54,10 +54,14 @@ def summarise(config: TtftRegressionConfig, records: Sequence[RequestRecord],
     client = client_samples(records)
     comps = {name: intervals(samples, name) for name in COMPONENTS}
     done = [r for r in records if r.ok]
+    # rates over the span the requests actually covered, not the run (which includes spawning)
+    first_sent = min((r.sent_at for r in records), default=0.0)
+    sent_span = max((r.sent_at for r in records), default=0.0) - first_sent
+    done_span = max((r.done_at for r in done), default=0.0) - first_sent
     return {
         "rate_rps": config.rate_rps,
-        "arrival_rate_rps": round(len(records) / duration_s, 3) if duration_s else None,
-        "completion_rate_rps": round(len(done) / duration_s, 3) if duration_s else None,
+        "arrival_rate_rps": round((len(records) - 1) / sent_span, 3) if sent_span > 0 else None,
+        "completion_rate_rps": round(len(done) / done_span, 3) if done and done_span > 0 else None,
         "ttft_p50_s": percentile(client["ttft_s"], 50), "ttft_p90_s": percentile(client["ttft_s"], 90),
         "ttft_p99_s": percentile(client["ttft_s"], 99), "itl_mean_s": mean(client["itl_mean_s"]),
         "lateness_p50_s": percentile(client["lateness_s"], 50),

@@ -94,7 +94,7 @@ def max_rate(work: Path) -> dict[str, Any]:
                 "ttft-regression", fake.url, work / f"fake-{int(rate)}", duration_s=8.0, rate=rate,
                 scenario_file=_scenario(work / "fake.yaml", users=128)))
             summary = result["ttft"]["summary"]
-            ok = (summary["arrival_rate_rps"] >= 0.9 * rate
+            ok = ((summary["arrival_rate_rps"] or 0.0) >= 0.9 * rate
                   and (summary["lateness_p50_s"] or 0.0) < 0.010
                   and (summary["ttft_p50_s"] or 1.0) < 0.010)
             steps.append({"rate_rps": rate, "arrival_rate_rps": summary["arrival_rate_rps"],
