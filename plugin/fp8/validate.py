@@ -72,6 +72,12 @@ def plan_fp8(vllm_config: Any, kv_scales: KvScalesSettings | None, on_cpu: bool)
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     fmt = normalize_fp8_dtype(cache_dtype)
     recording = kv_scales is not None and kv_scales.record is not None
+    model_config = vllm_config.model_config
+    if kv_scales is not None and bool(model_config.use_mla):
+        raise KvopsPluginError(
+            "kv_scales does not support MLA models (their latent cache is written by "
+            "MLAAttention, which kvops does not hook): drop kv_scales"
+        )
     if fmt is None:
         if kv_scales is not None and not recording:
             raise KvopsPluginError(
@@ -79,7 +85,6 @@ def plan_fp8(vllm_config: Any, kv_scales: KvScalesSettings | None, on_cpu: bool)
                 "--kv-cache-dtype fp8 (or drop kv_scales)"
             )
         return None
-    model_config = vllm_config.model_config
     if on_cpu:
         ok, reason = fp8_kv_support(
             platform.machine(), cpu_flags(), int(model_config.get_head_size()),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +19,8 @@ import pytest
 import requests
 from kvops.ops.bench.fp8 import kv_tokens_from_log
 from kvops.ops.calibrate import CalibrationRequest, collect_scales, synthetic_prompts
-from kvops.ops.fp8 import ScalesFile
-from kvops.ops.kv_accuracy import Drift, drift, score
+from kvops.ops.fp8 import ScalesFile, fingerprint_of_config, read_model_config
+from kvops.ops.kv_accuracy import Drift, ScoredSequence, drift, score
 from kvops.ops.models.kv_scaled import build_kv_scaled_model
 
 pytestmark = pytest.mark.e2e
@@ -29,6 +30,8 @@ LEN = ("--max-model-len", "2048")
 
 @dataclass(frozen=True)
 class Fp8Run:
+    model: Path
+    reference: list[ScoredSequence]
     scales: ScalesFile
     scales_path: Path
     bf16_tokens: int
@@ -56,7 +59,7 @@ def _measure(vllm, model: Path, work: Path) -> Fp8Run:
     cfg = json.dumps({"kvops": {"kv_scales": str(scales_path)}})
     calibrated = vllm(model, *LEN, "--kv-cache-dtype", "fp8", "--additional-config", cfg)
     return Fp8Run(
-        scales=scales, scales_path=scales_path, bf16_tokens=bf16_tokens,
+        model=model, reference=reference, scales=scales, scales_path=scales_path, bf16_tokens=bf16_tokens,
         fp8_tokens=kv_tokens_from_log(vllm.log_of(calibrated)),
         scale1=scale1, calibrated=drift(reference, score(calibrated.url, str(model))),
         scale1_log=vllm.log_of(plain), calibrated_log=vllm.log_of(calibrated),
@@ -121,3 +124,54 @@ def test_metrics_show_source_and_per_layer_scales(saturating: Fp8Run):
         assert match, layer
         assert float(match.group(1)) == pytest.approx(scales.k_scale)
 
+
+def _with_checkpoint_scales(run: Fp8Run, out: Path) -> Path:
+    """The saturating model as an fp8 checkpoint that carries the calibrated k/v scales.
+
+    quant_method fp8 with every linear layer ignored: vLLM keeps the bf16 weights and loads the
+    per-layer ``attn.k_scale``/``attn.v_scale`` tensors (vllm/model_executor/layers/quantization/
+    fp8.py ``Fp8KVCacheMethod``)."""
+    import torch
+    from safetensors.torch import save_file
+
+    shutil.copytree(run.model, out)
+    config = json.loads((out / "config.json").read_text())
+    ignored = [
+        f"model.layers.{i}.{module}"
+        for i in range(config["num_hidden_layers"])
+        for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                       "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    ]
+    config["quantization_config"] = {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ignored,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    for layer, scales in run.scales.layers.items():
+        tensors[f"{layer}.k_scale"] = torch.tensor(scales.k_scale, dtype=torch.float32)
+        tensors[f"{layer}.v_scale"] = torch.tensor(scales.v_scale, dtype=torch.float32)
+    save_file(tensors, str(out / "kv-scales.safetensors"))
+    return out
+
+
+def test_checkpoint_scales_win_unless_overridden(vllm, saturating: Fp8Run, tmp_path_factory):
+    model = _with_checkpoint_scales(saturating, tmp_path_factory.mktemp("fp8-ckpt") / "model")
+    ones = {
+        "dtype": "fp8_e4m3",
+        "model": fingerprint_of_config(read_model_config(model)).model_dump(),
+        "layers": {name: {"k_scale": 1.0, "v_scale": 1.0} for name in saturating.scales.layers},
+    }
+    path = model.parent / "ones.json"
+    path.write_text(json.dumps(ones))
+
+    kept = vllm(model, *LEN, "--kv-cache-dtype", "fp8", "--additional-config",
+                json.dumps({"kvops": {"kv_scales": str(path)}}))
+    assert f"with the checkpoint's k/v scales; kv_scales {path} ignored" in vllm.log_of(kept)
+    kept_drift = drift(saturating.reference, score(kept.url, str(model)))
+    assert kept_drift.mean_abs_logprob_delta < saturating.scale1.mean_abs_logprob_delta / 4
+
+    forced = vllm(model, *LEN, "--kv-cache-dtype", "fp8", "--additional-config",
+                  json.dumps({"kvops": {"kv_scales": {"path": str(path), "override_checkpoint": True}}}))
+    assert "(overriding the checkpoint's)" in vllm.log_of(forced)
+    forced_drift = drift(saturating.reference, score(forced.url, str(model)))
+    assert forced_drift.mean_abs_logprob_delta > 4 * kept_drift.mean_abs_logprob_delta
