@@ -6,11 +6,15 @@ One run, real processes, the reference shape of research/offload_bench.md (8 lay
 measurements there. Per prompt: (a) cold through the offload server, (c) again after
 /reset_prefix_cache (LMCache L1), (d) again after also clearing L1 (disk); (e) the same prompt
 cold on a server without the connector. Ratios are medians: c/a, d/a, a/e - 1.
+
+The transfer mode is the product default (engine_driven); KVOPS_BENCH_OFFLOAD_TRANSFER_MODE=
+lmcache_driven measures the zero-copy /dev/shm path instead (research/offload_bench.md §4).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -24,6 +28,7 @@ import requests
 from kvops.ops.errors import KvopsError
 from kvops.ops.launch import ManagedServer, free_port, lmcache_server, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
+from kvops.ops.offload.shm import remove_stale_segments
 from kvops.ops.offload.status import counter_values
 from kvops.plugin.offload.settings import OffloadSettings
 
@@ -45,6 +50,7 @@ def run() -> dict[str, Any]:
         settings = OffloadSettings(
             port=free_port(), http_port=free_port(), l1_gib=1.0,
             disk_path=str(root / "l2"), disk_gib=2.0,
+            transfer_mode=os.environ.get("KVOPS_BENCH_OFFLOAD_TRANSFER_MODE", "engine_driven"),
         )
         offload = _offload_side(model, prompts, settings, root)
         baseline = _baseline_side(model, prompts, root)
@@ -71,6 +77,7 @@ def _offload_side(model: Path, prompts: list[list[int]], settings: OffloadSettin
             return _measure_tiers(server, lmcache, model, prompts)
         finally:
             server.stop()
+            remove_stale_segments()  # lmcache_driven leaves vLLM's KV segment in /dev/shm
     finally:
         lmcache.stop()
 
@@ -193,7 +200,10 @@ def _result(offload: dict[str, Any], baseline: list[tuple[float, str]], memcpy: 
         "disk_ttft_ratio": median["disk"] / median["cold"],
         "miss_overhead_ratio": median["cold"] / baseline_s - 1,
         "copy_fraction_of_memcpy": load_gb_s / memcpy,
-        "store_fraction_of_memcpy": store_gb_s / memcpy,
+        # lmcache_driven stores are submitted in the step and copied later by the server, so the
+        # step time says nothing about copy speed there.
+        "store_fraction_of_memcpy": (store_gb_s / memcpy
+                                     if settings.transfer_mode == "engine_driven" else None),
         "outputs_identical": identical,
         "kv_bytes_per_token": kv_bytes_per_token,
         "hidden_size": REFERENCE_SHAPE.hidden,
