@@ -1,0 +1,39 @@
+"""Every command block of every runbook page, run against the real stack in the state the page
+describes (tests/runbooks/states.py), must exit as the page says and print what the page shows.
+
+Blocks run in the order of the states (each state is entered once; its server comes from the
+session pool and its load runs only while it is active), and, within a state, page by page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from runbooks.markup import Check, missing_lines, pages
+from runbooks.stack import Stack
+from runbooks.states import STATE_ORDER
+
+pytestmark = pytest.mark.e2e
+
+CHECKS: list[Check] = sorted(
+    (c for p in pages() for c in p.checks),
+    key=lambda c: (STATE_ORDER[c.state], c.page, c.line),
+)
+
+
+@pytest.fixture(scope="module")
+def stack(vllm, tiny_models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = Stack(vllm, tiny_models, tmp_path_factory.mktemp("runbooks"))
+    yield stack
+    stack.close()
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=[c.id for c in CHECKS])
+def test_runbook_command(stack: Stack, check: Check) -> None:
+    stack.enter(check.state)
+    result = stack.run(check.command, stack.workdir(check.page))
+    where = f"{check.page}:{check.line} in state {check.state}:\n$ {check.command}\n{result.output}"
+    assert result.exit_code == check.exit_code, f"exit {result.exit_code}, page says {check.exit_code}: {where}"
+    missing = missing_lines(check.expected, result.output)
+    assert not missing, f"the page promises lines that were not printed: {missing}\n{where}"
