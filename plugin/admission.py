@@ -15,9 +15,16 @@ keeps FCFS order, and the held-back request shows as
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
-from kvops.plugin.admission_policy import AdmissionPolicy, KVBudget, RequestShape, headroom_blocks
+from kvops.plugin.admission_policy import (
+    AdmissionPolicy,
+    KVBudget,
+    RequestShape,
+    ReservationLedger,
+    headroom_blocks,
+)
 from kvops.plugin.admission_settings import AdmissionSettings
 from kvops.plugin.settings import load_settings
 from vllm.logger import init_logger
@@ -32,6 +39,9 @@ logger = init_logger("vllm.plugins.kvops.admission")
 _ADMITTED_FROM = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 # Requests that ended normally teach the expected-length quantile; aborts would bias it low.
 _LEARN_FROM = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+_request_id = attrgetter("request_id")
 
 
 def shape_of(request: Request) -> RequestShape:
@@ -65,6 +75,7 @@ class KVBudgetGate:
         self.policy = AdmissionPolicy(
             self.budget, settings.policy, settings.quantile, settings.min_samples
         )
+        self.ledger = ReservationLedger(self.policy)
         self.scheduler = scheduler
         self.held_back = 0
         self._reserved_blocks: int | None = None
@@ -85,7 +96,7 @@ class KVBudgetGate:
             return self._allocate(request, num_new_tokens, *args, **kwargs)
         running = self.scheduler.running
         if self._reserved_blocks is None:
-            self._reserved_blocks = sum(self.policy.reserve_blocks(shape_of(r)) for r in running)
+            self._reserved_blocks = self.ledger.total_blocks(running, _request_id, shape_of)
         decision = self.policy.admit(shape_of(request), self._reserved_blocks, len(running))
         if not decision.admit:
             self.held_back += 1
@@ -96,6 +107,7 @@ class KVBudgetGate:
         return blocks
 
     def finished(self, request: Request) -> None:
+        self.ledger.forget(request.request_id)
         if request.status in _LEARN_FROM:
             self.policy.record_finished(request.num_output_tokens)
 

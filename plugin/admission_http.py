@@ -40,6 +40,7 @@ from kvops.plugin.admission_policy import (
     RequestShape,
     headroom_blocks,
     queue_decision,
+    retry_after_s,
 )
 from kvops.plugin.admission_settings import AdmissionSettings
 
@@ -67,6 +68,7 @@ class FrontDoor:
         self._clock = clock
         self._policy: AdmissionPolicy | None = None
         self._request_states: Any = None
+        self.in_flight: dict[str, int] = {}
 
     def policy_for(self, vllm_config: Any) -> AdmissionPolicy:
         """Built on first use: ``num_gpu_blocks`` reaches the front end only after the engine
@@ -120,6 +122,34 @@ class FrontDoor:
             decision.retry_after_s,
         )
 
+    def enter_tenant(self, tenant: str) -> Rejection | None:
+        """Count a request of ``tenant`` in flight, or refuse it when the tenant is at its limit.
+        Every admitted request must be paired with ``leave_tenant``."""
+        budget = self.settings.tenant_budget(tenant)
+        if budget is None:
+            return None
+        if self.in_flight.get(tenant, 0) >= budget.max_in_flight:
+            _count("rejected", "tenant_in_flight")
+            wait = retry_after_s(1.0, self.drain.rate(self._clock()), self.settings.queue_budget(0))
+            self.last_retry_after_s = wait
+            return Rejection(
+                429, "tenant_in_flight",
+                f"KV admission: tenant {tenant!r} already has {budget.max_in_flight} requests "
+                f"in flight (its limit); retry after {wait} s",
+                wait,
+            )
+        self.in_flight[tenant] = self.in_flight.get(tenant, 0) + 1
+        _tenant_gauge(tenant, self.in_flight[tenant])
+        return None
+
+    def leave_tenant(self, tenant: str) -> None:
+        left = self.in_flight.get(tenant, 0) - 1
+        if left > 0:
+            self.in_flight[tenant] = left
+        else:
+            self.in_flight.pop(tenant, None)
+        _tenant_gauge(tenant, max(left, 0))
+
     def queue_state(self, policy: AdmissionPolicy, states: Iterable[Any]) -> QueueState:
         """Requests held back by the KV budget (not merely in prefill), their worst-case KV,
         and the drain rate; also publishes the gauges."""
@@ -159,6 +189,12 @@ class FrontDoor:
         metrics.gauge("kvops_admission_drain_rps", "Requests finishing per second (30 s window)").set(
             self.drain.rate(self._clock())
         )
+
+
+def _tenant_gauge(tenant: str, in_flight: int) -> None:
+    metrics.gauge(
+        "kvops_admission_tenant_in_flight", "Requests of a tenant queued or running", ("tenant",)
+    ).labels(tenant=tenant).set(in_flight)
 
 
 def _count(decision: str, reason: str) -> None:
@@ -233,6 +269,54 @@ def decide(serving: Any, request: Any, engine_inputs: list[Any]) -> Any | None:
     else:
         exc = GracefulHTTPError(rejection.message, HTTPStatus(rejection.status))
     return serving.create_error_response(exc)
+
+
+def tenant_of(raw_request: Any) -> str | None:
+    """The tenant a request counts against, or None when no per-tenant budget applies."""
+    front = _DOOR
+    if front is None or (not front.settings.tenants and front.settings.default_tenant is None):
+        return None
+    headers = getattr(raw_request, "headers", None)
+    tenant = headers.get(front.settings.tenant_header, "") if headers is not None else ""
+    return tenant if front.settings.tenant_budget(tenant) is not None else None
+
+
+async def with_tenant(serving: Any, raw_request: Any, call: Callable[[], Awaitable[Any]]) -> Any:
+    """Run one create_* call of vLLM's serving classes inside the tenant's in-flight budget.
+
+    The slot is held until the response is complete: for a stream, until its generator is
+    exhausted or closed (a client that hangs up closes it, vllm/entrypoints/utils.py
+    with_cancellation)."""
+    tenant = tenant_of(raw_request)
+    front = _DOOR
+    if tenant is None or front is None:
+        return await call()
+    rejection = front.enter_tenant(tenant)
+    if rejection is not None:
+        from http import HTTPStatus
+
+        from vllm.exceptions import GracefulHTTPError
+
+        return serving.create_error_response(
+            GracefulHTTPError(rejection.message, HTTPStatus.TOO_MANY_REQUESTS)
+        )
+    try:
+        result = await call()
+    except BaseException:
+        front.leave_tenant(tenant)
+        raise
+    if hasattr(result, "__aiter__"):
+        return _leave_when_done(result, front, tenant)
+    front.leave_tenant(tenant)
+    return result
+
+
+async def _leave_when_done(stream: Any, front: FrontDoor, tenant: str) -> Any:
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        front.leave_tenant(tenant)
 
 
 ASGIApp = Callable[

@@ -15,9 +15,11 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
+R = TypeVar("R")
 Policy = Literal["strict", "expected", "off"]
 POLICIES: tuple[Policy, ...] = ("strict", "expected", "off")
 
@@ -214,6 +216,42 @@ class AdmissionPolicy:
         self.output_lengths.add(max(output_tokens, 0))
 
 
+class ReservationLedger:
+    """Per-request reservations for the per-step sum over the running batch.
+
+    Under ``strict`` a request's reservation never changes (prompt + max_tokens), so it is
+    computed once per request and the per-step sum costs a dict lookup per running request;
+    ``expected`` reservations grow with the output and are recomputed.
+    """
+
+    def __init__(self, policy: AdmissionPolicy) -> None:
+        self.policy = policy
+        self._fixed: dict[str, int] = {}
+
+    def total_blocks(
+        self,
+        requests: Iterable[R],
+        request_id: Callable[[R], str],
+        shape_of: Callable[[R], RequestShape],
+    ) -> int:
+        """Blocks reserved by ``requests`` (vLLM Request objects in the scheduler, anything
+        with an id and a shape in tests)."""
+        if self.policy.policy != "strict":
+            return sum(self.policy.reserve_blocks(shape_of(r)) for r in requests)
+        fixed = self._fixed
+        total = 0
+        for request in requests:
+            rid = request_id(request)
+            blocks = fixed.get(rid)
+            if blocks is None:
+                blocks = fixed[rid] = self.policy.reserve_blocks(shape_of(request))
+            total += blocks
+        return total
+
+    def forget(self, request_id: str) -> None:
+        self._fixed.pop(request_id, None)
+
+
 def headroom_blocks(usable_blocks: int, headroom_fraction: float) -> int:
     return math.ceil(usable_blocks * headroom_fraction)
 
@@ -323,7 +361,10 @@ def retry_after_s(excess_requests: float, drain_rps: float, budget: QueueBudget)
     """Whole seconds (HTTP Retry-After), at least 1 and at most the configured maximum."""
     if drain_rps <= 0.0:
         return 1
-    return max(1, min(budget.retry_after_max_s, math.ceil(excess_requests / drain_rps)))
+    seconds = excess_requests / drain_rps
+    if not math.isfinite(seconds) or seconds >= budget.retry_after_max_s:
+        return budget.retry_after_max_s  # a drain too slow to measure: the longest wait
+    return max(1, math.ceil(seconds))
 
 
 # -- planner integration -----------------------------------------------------------------------

@@ -17,6 +17,15 @@ SCHEDULER_CLASSES: dict[bool, str] = {
 }
 
 
+class TenantBudget(BaseModel):
+    """Limits for the requests of one tenant, named by the tenant header."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_in_flight: int = Field(ge=1)
+    """HTTP 429 when this tenant already has this many requests queued or running."""
+
+
 class AdmissionSettings(BaseModel):
     """How the scheduler reserves KV and how the HTTP front door sheds load."""
 
@@ -42,6 +51,13 @@ class AdmissionSettings(BaseModel):
     """HTTP 429 when the predicted wait (queue ahead / drain rate) exceeds this many seconds."""
     retry_after_max_s: int = Field(60, ge=1)
     """Upper bound of the Retry-After header."""
+    tenant_header: str = Field("x-kvops-tenant", min_length=1)
+    """HTTP header naming the tenant of a request, for the per-tenant budgets below."""
+    tenants: dict[str, TenantBudget] = Field(default_factory=dict)
+    """Per-tenant budgets, by the tenant header's value."""
+    default_tenant: TenantBudget | None = None
+    """Budget of each tenant not listed in ``tenants`` (and of requests without the header,
+    pooled as tenant ""). null: unlisted tenants have no per-tenant limit."""
 
     @model_validator(mode="after")
     def _quantile_only_for_expected(self) -> AdmissionSettings:
@@ -62,6 +78,9 @@ class AdmissionSettings(BaseModel):
             max_queue_wait_s=self.max_queue_wait_s,
             retry_after_max_s=self.retry_after_max_s,
         )
+
+    def tenant_budget(self, tenant: str) -> TenantBudget | None:
+        return self.tenants.get(tenant, self.default_tenant)
 
     @property
     def enabled(self) -> bool:

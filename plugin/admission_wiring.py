@@ -51,6 +51,10 @@ def install_front_door_hooks() -> None:
     _wrap_render(OpenAIServingCompletion, "render_completion_request", lambda result: result)
     # vllm/entrypoints/openai/chat_completion/serving.py:258 returns (conversation, inputs).
     _wrap_render(OpenAIServingChat, "render_chat_request", lambda result: result[1])
+    # The outer create_* calls see the raw request (tenant header) and span the whole response
+    # (vllm/entrypoints/openai/completion/serving.py:109, chat_completion/serving.py:281).
+    _wrap_create(OpenAIServingCompletion, "create_completion")
+    _wrap_create(OpenAIServingChat, "create_chat_completion")
     # vllm/entrypoints/launchers/app.py:54: build_app looks this name up in its module at call
     # time, after attach_endpoint_plugins, so what we add here is the outermost middleware.
     original = app_module.init_entrypoints_middleware
@@ -66,6 +70,22 @@ def install_front_door_hooks() -> None:
 
     setattr(init_entrypoints_middleware, _WRAPPED_MARK, True)
     app_module.init_entrypoints_middleware = init_entrypoints_middleware
+
+
+def _wrap_create(cls: type, name: str) -> None:
+    original = getattr(cls, name)
+    if getattr(original, _WRAPPED_MARK, False):
+        return
+
+    async def create(self: Any, request: Any, raw_request: Any = None, *args: Any, **kwargs: Any) -> Any:
+        from kvops.plugin.admission_http import with_tenant
+
+        return await with_tenant(
+            self, raw_request, lambda: original(self, request, raw_request, *args, **kwargs)
+        )
+
+    setattr(create, _WRAPPED_MARK, True)
+    setattr(cls, name, create)
 
 
 def _wrap_render(cls: type, name: str, inputs_of: Any) -> None:

@@ -165,6 +165,31 @@ def measure_side_by_side(model: str, stock: ManagedServer, kvops: ManagedServer)
     }
 
 
+def policy_cost_us_per_step(running: int = 256, repeats: int = 200) -> float:
+    """Microseconds the scheduler gate adds to one step with ``running`` sequences under
+    ``strict``: the reservation sum over the running batch (memoized per request, as
+    KVBudgetGate does) plus one admission decision. Measured in-process, so that machine noise
+    does not swamp a tiny cost."""
+    from operator import itemgetter
+
+    from kvops.plugin.admission_policy import (
+        AdmissionPolicy,
+        KVBudget,
+        RequestShape,
+        ReservationLedger,
+    )
+
+    policy = AdmissionPolicy(KVBudget(usable_blocks=65536, block_size=16, max_model_len=8192))
+    ledger = ReservationLedger(policy)
+    batch = [(f"req-{i}", RequestShape(500 + i, 300, i % 300)) for i in range(running)]
+    candidate = RequestShape(prompt_tokens=700, max_tokens=300)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        reserved = ledger.total_blocks(batch, itemgetter(0), itemgetter(1))
+        policy.admit(candidate, reserved, running)
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
 def run() -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvops-bench-admission-") as tmp:
         workdir = Path(tmp)
@@ -188,6 +213,7 @@ def run() -> dict[str, Any]:
             statistics.median(normal["kvops"]) / stock_normal if stock_normal else None
         ),
         "normal_load_tokens_per_s": normal,
+        "policy_cost_us_per_step_256_running": policy_cost_us_per_step(),
         "setup": {
             "kv_blocks": KV_BLOCKS, "block_tokens": BLOCK_TOKENS, "max_model_len": MAX_MODEL_LEN,
             "ttft_slo_s": TTFT_SLO_S, "overload": OVERLOAD.__dict__,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -23,7 +24,9 @@ BLOCK_TOKENS = 128
 KV_BLOCKS = 17  # 16 usable + the null block
 KV_BYTES = KV_BLOCKS * BLOCK_TOKENS * (2 * 4 * 2 * 64 * 2)  # tiny default shape, bf16
 ARGS = ("--max-model-len", "1024", "--max-num-seqs", "32")
-ADMISSION = {"kvops": {"admission": {"policy": "strict", "max_queued_requests": 6}}}
+ADMISSION = {"kvops": {"admission": {
+    "policy": "strict", "max_queued_requests": 6, "tenants": {"small": {"max_in_flight": 1}},
+}}}
 PROMPT = "the cache holds keys and values for every token it has seen so far " * 3
 OUTPUT_TOKENS = 150  # prompt (~45) + 150 crosses a block boundary: 2 blocks per sequence
 
@@ -87,6 +90,36 @@ def test_a_request_that_can_never_fit_gets_400_with_the_limit(kvops_server, tiny
     with requests.post(kvops_server.url + "/v1/completions", json=fits, stream=True, timeout=120) as resp:
         assert resp.status_code == 200
         assert next(resp.iter_lines()).startswith(b"data:")
+
+
+def test_a_tenant_over_its_in_flight_budget_gets_429(kvops_server, tiny_model):
+    url = kvops_server.url + "/v1/completions"
+    # A long stream (1000 tokens: seconds even on an idle machine) holds the tenant's one slot.
+    body = {"model": str(tiny_model), "prompt": "hello", "max_tokens": 1000, "ignore_eos": True}
+    small = {"x-kvops-tenant": "small"}
+    with requests.post(url, json={**body, "stream": True}, headers=small, stream=True, timeout=120) as first:
+        assert first.status_code == 200
+        # Keep the line iterator alive: a discarded one closes the connection (urllib3), which
+        # is a client hang-up and frees the slot.
+        lines = first.iter_lines()
+        assert next(lines).startswith(b"data:")
+        in_flight = 'kvops_admission_tenant_in_flight{tenant="small"}'
+        assert scrape_counter(kvops_server.url, in_flight) == 1
+        second = requests.post(url, json={**body, "max_tokens": 4}, headers=small, timeout=120)
+        assert second.status_code == 429, second.text
+        assert "tenant 'small'" in second.json()["error"]["message"]
+        assert int(second.headers["Retry-After"]) >= 1
+        other = requests.post(url, json={**body, "max_tokens": 4}, headers={"x-kvops-tenant": "big"}, timeout=120)
+        assert other.status_code == 200, other.text  # an unlisted tenant has no limit here
+    # The client hung up on its stream: the server frees the tenant's slot once it notices.
+    deadline = time.monotonic() + 60
+    while True:
+        again = requests.post(url, json={**body, "max_tokens": 4}, headers=small, timeout=120)
+        if again.status_code != 429 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert again.status_code == 200, again.text
+    assert scrape_counter(kvops_server.url, in_flight) == 0
 
 
 def test_stock_server_preempts_under_the_same_overload(vllm, tiny_model):

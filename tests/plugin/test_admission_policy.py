@@ -26,6 +26,7 @@ from kvops.plugin.admission_policy import (
     QueueBudget,
     QueueState,
     RequestShape,
+    ReservationLedger,
     blocks_for_tokens,
     queue_decision,
 )
@@ -305,3 +306,18 @@ def test_requests_in_prefill_that_fit_are_not_counted_as_waiting():
     waiting = policy.waiting_behind_budget([four], [four, four, small])
     assert waiting == [four, small]
     assert policy.waiting_behind_budget([], [four, four]) == []
+
+
+@given(st.lists(st.tuples(st.integers(1, 900), st.one_of(st.none(), st.integers(1, 900)), st.integers(0, 100)), max_size=40),
+       st.sampled_from(["strict", "expected"]))
+def test_ledger_totals_equal_the_policy_sum(shapes, policy_name):
+    policy = AdmissionPolicy(KVBudget(512, BLOCK, 1024), policy_name, 0.5, min_samples=1)
+    policy.record_finished(10)
+    ledger = ReservationLedger(policy)
+    batch = [(f"r{i}", RequestShape(*s)) for i, s in enumerate(shapes)]
+    expected = sum(policy.reserve_blocks(shape) for _, shape in batch)
+    for _ in range(2):  # memoized the second time round
+        assert ledger.total_blocks(batch, lambda item: item[0], lambda item: item[1]) == expected
+    for rid, _ in batch:
+        ledger.forget(rid)
+    assert ledger.total_blocks([], lambda item: item[0], lambda item: item[1]) == 0

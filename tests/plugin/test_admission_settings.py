@@ -92,3 +92,34 @@ def test_retry_after_is_added_to_429_only(client):
     assert resp.status_code == 200
     assert "retry-after" not in resp.headers
     assert resp.text == "data: 0\n\ndata: 1\n\ndata: 2\n\n"
+
+
+def test_tenant_budgets_count_in_flight_requests_per_tenant():
+    settings = _load({"tenants": {"batch": {"max_in_flight": 2}}, "default_tenant": {"max_in_flight": 1}})
+    door = admission_http.FrontDoor(settings)
+    assert door.enter_tenant("batch") is None
+    assert door.enter_tenant("batch") is None
+    refused = door.enter_tenant("batch")
+    assert refused is not None
+    assert refused.status == 429
+    assert "'batch'" in refused.message
+    assert refused.retry_after_s >= 1
+    assert door.enter_tenant("someone-else") is None  # unlisted: the default budget, its own count
+    assert door.enter_tenant("someone-else") is not None
+    door.leave_tenant("batch")
+    assert door.enter_tenant("batch") is None
+    assert door.in_flight == {"batch": 2, "someone-else": 1}
+
+
+def test_without_tenant_budgets_no_request_is_counted():
+    admission_http.install(AdmissionSettings())
+    try:
+        assert admission_http.tenant_of(None) is None
+    finally:
+        admission_http.reset_for_tests()
+
+
+def test_bad_tenant_budget_names_the_field():
+    with pytest.raises(KvopsPluginError) as err:
+        _load({"tenants": {"a": {"max_in_flight": 0}}})
+    assert "admission.tenants.a.max_in_flight" in str(err.value)
