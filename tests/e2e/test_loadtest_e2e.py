@@ -158,12 +158,14 @@ def test_prefix_caching_disabled(vllm, tiny_model, tmp_path):
 
 
 def test_ttft_regression_against_a_baseline(vllm, tiny_model, tmp_path):
-    # Two sequences at a time: a raised rate must queue, by tens of seconds. The threshold is
-    # raised to +500% because this 2-core machine is shared: two identical runs a minute apart
-    # measured TTFT p50 0.04 s and 0.42 s (ITL 33 ms and 222 ms) when a neighbour's load began.
+    # Two sequences at a time and 20 arrivals/s: the queue grows by tens of seconds however fast
+    # the machine is (drain <= 4 req/s even at its best ITL). The threshold is +1000% because
+    # this 2-core machine is shared: identical calm runs minutes apart measured TTFT p50 0.04 s
+    # vs 0.42 s, and 0.46 s vs 0.13 s, as neighbours' loads came and went.
     server = vllm(tiny_model, "--max-model-len", "2048", "--max-num-seqs", "2")
     scenario = tmp_path / "ttft.yaml"
-    scenario.write_text("workload: {prompt_words: 60, max_tokens: 16}\nthreshold_rel: 5.0\n")
+    scenario.write_text("workload: {prompt_words: 60, max_tokens: 16}\nusers: 128\n"
+                        "threshold_rel: 10.0\n")
     calm = ("--rate", "0.25", "--duration", "40", "--scenario-file", str(scenario))
     code, base = loadtest(tmp_path, "ttft-regression", server.url, *calm)
     assert code == 0
@@ -171,7 +173,7 @@ def test_ttft_regression_against_a_baseline(vllm, tiny_model, tmp_path):
     code, same = loadtest(tmp_path, "ttft-regression", server.url, *calm,
                           "--baseline", base["files"]["json"])
     assert code == 0, same["verdicts"]
-    code, raised = loadtest(tmp_path, "ttft-regression", server.url, "--rate", "3",
+    code, raised = loadtest(tmp_path, "ttft-regression", server.url, "--rate", "20",
                             "--duration", "20", "--scenario-file", str(scenario),
                             "--baseline", base["files"]["json"])
     assert code == 3, raised["verdicts"]
