@@ -13,24 +13,31 @@ def _line(obj: object) -> bytes:
 
 def test_role_chunk_is_not_a_token():
     role = parse_line(_line({"choices": [{"delta": {"role": "assistant", "content": ""}}]}))
-    assert role is not None and role.has_choices and not role.has_output
+    assert role is not None
+    assert role.has_choices
+    assert not role.has_output
     reasoning = parse_line(_line({"choices": [{"delta": {"reasoning_content": "hm"}}]}))
-    assert reasoning is not None and reasoning.has_output
+    assert reasoning is not None
+    assert reasoning.has_output
 
 
 def test_raw_utf8_and_usage():
     event = parse_line(_line({"choices": [{"text": "日本"}]}))
-    assert event is not None and event.has_output
+    assert event is not None
+    assert event.has_output
     usage = parse_line(_line({"choices": [], "usage": {
         "prompt_tokens": 7, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 0}}}))
-    assert usage is not None and usage.usage is not None
+    assert usage is not None
+    assert usage.usage is not None
     assert usage_counts(usage.usage) == (7, 3, 0)
 
 
 def test_done_comments_and_errors():
     done = parse_line(b"data: [DONE]\n")
-    assert done is not None and done.done
+    assert done is not None
+    assert done.done
     assert parse_line(b": ping\n") is None
     assert parse_line(b"\n") is None
     err = parse_line(_line({"error": {"message": "boom"}}))
-    assert err is not None and err.error == "boom"
+    assert err is not None
+    assert err.error == "boom"
