@@ -14,6 +14,7 @@ import re
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from kvops.ops.calibrate import (
     synthetic_prompts,
 )
 from kvops.ops.errors import KvopsError
-from kvops.ops.kv_accuracy import Drift, ScoredSequence, drift, score
+from kvops.ops.kv_accuracy import Drift, drift, score
 from kvops.ops.launch import ManagedServer, vllm_server
 
 BENCH_MODELS: tuple[tuple[str, float], ...] = (
@@ -70,32 +71,47 @@ def kv_tokens_from_log(log: str) -> int:
 
 
 def measure_model(model_dir: Path, name: str, work: Path) -> ModelRun:
-    """Calibrate on a bf16 recording server, then score bf16 / fp8@1.0 / fp8@calibrated."""
+    """Calibrate on a bf16 recording server, then score bf16 / fp8@1.0 / fp8@calibrated.
+
+    The fp8@1.0 server starts alongside the recording one (start-up is mostly one core of
+    Python imports); the calibrated one needs the scales, so it starts last.
+    """
     req = CalibrationRequest(
         model_dir=model_dir, prompts=synthetic_prompts(CALIBRATION_PROMPTS, seed=1),
         max_model_len=MAX_MODEL_LEN,
     )
-    with recording_server(req, work / f"{name}-bf16.log") as (server, record_dir):
-        scales = collect_scales(req, server.url, record_dir)
-        reference = score(server.url, str(model_dir))
-        bf16_tokens = kv_tokens_from_log(server.log_path.read_text())
+    plain = _fp8_server(model_dir, work / f"{name}-fp8-scale1.log", None)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        plain_started = pool.submit(plain.start)
+        try:
+            with recording_server(req, work / f"{name}-bf16.log") as (server, record_dir):
+                scales = collect_scales(req, server.url, record_dir)
+                reference = score(server.url, str(model_dir))
+                bf16_tokens = kv_tokens_from_log(server.log_path.read_text())
+            plain_started.result()
+            scale1 = score(plain.url, str(model_dir))
+            fp8_tokens = kv_tokens_from_log(plain.log_path.read_text())
+        finally:
+            plain_started.cancel()
+            plain.stop()
     scales_path = work / f"{name}-scales.json"
     scales_path.write_text(json.dumps(scales.model_dump()))
-    scale1, fp8_tokens = _score_fp8(model_dir, work / f"{name}-fp8-scale1.log", None)
-    calibrated, _ = _score_fp8(model_dir, work / f"{name}-fp8-calibrated.log", scales_path)
-    return ModelRun(name, bf16_tokens, fp8_tokens, drift(reference, scale1), drift(reference, calibrated))
+    calibrated = _fp8_server(model_dir, work / f"{name}-fp8-calibrated.log", scales_path)
+    try:
+        calibrated.start()
+        calibrated_scores = score(calibrated.url, str(model_dir))
+    finally:
+        calibrated.stop()
+    return ModelRun(
+        name, bf16_tokens, fp8_tokens, drift(reference, scale1), drift(reference, calibrated_scores)
+    )
 
 
-def _score_fp8(model_dir: Path, log: Path, scales: Path | None) -> tuple[list[ScoredSequence], int]:
+def _fp8_server(model_dir: Path, log: Path, scales: Path | None) -> ManagedServer:
     args = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-dtype", "fp8"]
     if scales is not None:
         args += ["--additional-config", json.dumps({"kvops": {"kv_scales": str(scales)}})]
-    server: ManagedServer = vllm_server(model_dir, args, log_path=log, name=log.stem)
-    try:
-        server.start()
-        return score(server.url, str(model_dir)), kv_tokens_from_log(server.log_path.read_text())
-    finally:
-        server.stop()
+    return vllm_server(model_dir, args, log_path=log, name=log.stem)
 
 
 def run(models: Sequence[tuple[str, float]] = BENCH_MODELS) -> dict[str, Any]:
