@@ -47,9 +47,10 @@ def ours(url: str, work: Path) -> dict[str, Any]:
     samples = [MetricsSample.from_dict(r) for r in read_jsonl(Path(result["files"]["metrics"]))]
     client = result["client"]
     server_p50 = bucket_quantile(samples[0], samples[-1], 0.5)
-    return {"requests": client["ok"], "ttft_p50_ms": _ms(client["ttft_p50_s"]),
+    p50 = client["ttft_p50_s"]
+    return {"requests": client["ok"], "errors": client["errors"], "ttft_p50_ms": _ms(p50),
             "server_ttft_p50_ms": _ms(server_p50),
-            "ttft_error_ms_p50": _ms(client["ttft_p50_s"] - server_p50) if server_p50 else None,
+            "ttft_error_ms_p50": _ms(p50 - server_p50) if p50 is not None and server_p50 else None,
             "ttft_error_ms_mean": client["ttft_client_minus_server_ms"]}
 
 
