@@ -77,10 +77,12 @@ def vllm_bench(url: str, model: Path, work: Path) -> dict[str, Any]:
     server_p50, server_mean = bucket_quantile(before, after, 0.5), hist_mean(before, after, "ttft")
     return {"available": True, "requests": data.get("completed"),
             "ttft_p50_ms": data.get("median_ttft_ms"), "server_ttft_p50_ms": _ms(server_p50),
-            "vllm_bench_ttft_error_ms_p50": round(data["median_ttft_ms"] - server_p50 * 1000, 2)
-            if server_p50 else None,
-            "vllm_bench_ttft_error_ms_mean": round(data["mean_ttft_ms"] - server_mean * 1000, 2)
-            if server_mean else None}
+            "vllm_bench_ttft_error_ms_p50": _diff_ms(data.get("median_ttft_ms"), server_p50),
+            "vllm_bench_ttft_error_ms_mean": _diff_ms(data.get("mean_ttft_ms"), server_mean)}
+
+
+def _diff_ms(client_ms: float | None, server_s: float | None) -> float | None:
+    return None if client_ms is None or not server_s else round(client_ms - server_s * 1000, 2)
 
 
 def max_rate(work: Path) -> dict[str, Any]:
