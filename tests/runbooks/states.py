@@ -112,10 +112,8 @@ STATES: tuple[State, ...] = (
     ),
     State(
         "prefix-off",
-        "prefix caching switched off, a shared-prefix workload: every prompt recomputed",
+        "prefix caching switched off (the page's own load test supplies the shared prefixes)",
         args=(*MAX_MODEL_LEN, "--no-enable-prefix-caching"),
-        load=Load(users=1, prompt_words=300, max_tokens=4, shared_prompt=True),
-        ready={"requests_finished": 2},
         page_flags=("--no-enable-prefix-caching",),
     ),
     State(
