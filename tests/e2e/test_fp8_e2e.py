@@ -175,3 +175,29 @@ def test_checkpoint_scales_win_unless_overridden(vllm, saturating: Fp8Run, tmp_p
     assert "(overriding the checkpoint's)" in vllm.log_of(forced)
     forced_drift = drift(saturating.reference, score(forced.url, str(model)))
     assert forced_drift.mean_abs_logprob_delta > 4 * kept_drift.mean_abs_logprob_delta
+
+
+def test_kvops_calibrate_cli_writes_a_scales_file(tiny_model, tmp_path):
+    from kvops.ops.cli.main import app
+    from kvops.ops.fp8 import load_scales_file
+    from typer.testing import CliRunner
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the cache holds keys and values\nhello world you are a helpful assistant\n")
+    out = tmp_path / "scales.json"
+    result = CliRunner().invoke(app, [
+        "calibrate", "--model", str(tiny_model), "--prompts", str(prompts), "--out", str(out),
+        "--max-tokens", "4", "--log", str(tmp_path / "calibrate.log"),
+    ])
+    assert result.exit_code == 0, result.output + (tmp_path / "calibrate.log").read_text()[-3000:]
+    assert "calibrating" in result.output
+    scales = load_scales_file(out)
+    assert list(scales.layers) == [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    assert scales.model == fingerprint_of_config(read_model_config(tiny_model))
+    import vllm
+
+    assert scales.vllm_version == vllm.__version__
+    for layer in scales.layers.values():
+        assert layer.k_absmax is not None
+        assert layer.k_absmax > 0
+        assert layer.k_scale == pytest.approx(layer.k_absmax * 1.25 / 448)
