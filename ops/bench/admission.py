@@ -63,7 +63,20 @@ NORMAL_CONCURRENCY = 3  # 3 x 3 blocks (prompt + 100 tokens): inside 16 blocks, 
 NORMAL_PER_WORKER = 2
 NORMAL_ROUNDS = 3  # alternating stock/kvops rounds: drift in machine load hits both alike
 NORMAL_MAX_TOKENS = 100
-OVERLOAD = Load(requests=50, rate_rps=2.0, max_tokens=100, never_fits_every=25)
+OVERLOAD_MAX_TOKENS = 100
+OVERLOAD_FACTOR = 4.0  # offered request rate / the rate stock sustains at normal load
+OVERLOAD_DURATION_S = 25.0
+OVERLOAD_MAX_REQUESTS = 240
+
+
+def overload_for(stock_tokens_per_s: float) -> Load:
+    """The overload is sized from the stock server's measured capacity, so that it overloads
+    on a slow shared machine and on a fast one alike."""
+    capacity_rps = stock_tokens_per_s / OVERLOAD_MAX_TOKENS
+    rate = max(OVERLOAD_FACTOR * capacity_rps, 1.0)
+    requests = int(min(OVERLOAD_MAX_REQUESTS, max(20, rate * OVERLOAD_DURATION_S)))
+    return Load(requests=requests, rate_rps=rate, max_tokens=OVERLOAD_MAX_TOKENS,
+                never_fits_every=max(requests // 2, 2))
 TTFT_SLO_S = 10.0
 # The queue budget is sized from the SLO: at most ~half a cache of worst-case work waiting, and
 # no predicted wait beyond half the SLO.
@@ -158,10 +171,12 @@ def measure_side_by_side(model: str, stock: ManagedServer, kvops: ManagedServer)
     for _ in range(NORMAL_ROUNDS):
         for name, server in (("stock", stock), ("kvops", kvops)):
             normal[name].append(normal_throughput(server.url, model)["tokens_per_s"])
+    overload = overload_for(statistics.median(normal["stock"]))
     return {
         "normal_tokens_per_s": normal,
-        "stock": measure(stock.url, model, OVERLOAD),
-        "kvops": measure(kvops.url, model, OVERLOAD),
+        "overload": overload.__dict__,
+        "stock": measure(stock.url, model, overload),
+        "kvops": measure(kvops.url, model, overload),
     }
 
 
@@ -216,7 +231,8 @@ def run() -> dict[str, Any]:
         "policy_cost_us_per_step_256_running": policy_cost_us_per_step(),
         "setup": {
             "kv_blocks": KV_BLOCKS, "block_tokens": BLOCK_TOKENS, "max_model_len": MAX_MODEL_LEN,
-            "ttft_slo_s": TTFT_SLO_S, "overload": OVERLOAD.__dict__,
+            "ttft_slo_s": TTFT_SLO_S, "overload": result["overload"],
+            "overload_factor": OVERLOAD_FACTOR,
             "normal": {"concurrency": NORMAL_CONCURRENCY, "per_worker": NORMAL_PER_WORKER,
                        "rounds": NORMAL_ROUNDS, "max_tokens": NORMAL_MAX_TOKENS},
             "kvops_settings": KVOPS_SETTINGS,
