@@ -18,13 +18,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import requests
 from kvops.ops.errors import BadInputError, KvopsError
 from kvops.ops.fp8 import (
     DEFAULT_MARGIN,
     FORMAT_MAX,
+    Fp8Format,
     LayerScales,
     ScalesFile,
     fingerprint_of_config,
@@ -134,7 +135,7 @@ def collect_scales(
     if not layers:
         raise KvopsError("the server recorded no K/V: is the kvops plugin installed in its venv?")
     return ScalesFile(
-        dtype=req.dtype,
+        dtype=cast(Fp8Format, req.dtype),  # checked against FORMAT_MAX in validate
         margin=req.margin,
         model=fingerprint_of_config(read_model_config(req.model_dir)),
         vllm_version=_server_version(url),

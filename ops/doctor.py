@@ -10,13 +10,16 @@ from __future__ import annotations
 import importlib.metadata as md
 import importlib.util
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from kvops.ops.fp8 import fp8_kv_support, read_cpu_flags
 
 SUPPORTED_VLLM_MINOR = "0.32"
 GIB = 1 << 30
@@ -40,6 +43,7 @@ class DoctorInputs:
     disk_needed_gib: float = 1.0
     python: str = sys.executable
     cpuinfo: Path = Path("/proc/cpuinfo")
+    arch: str = field(default_factory=platform.machine)
 
 
 def _dist_version(name: str) -> str | None:
@@ -102,29 +106,18 @@ def check_torchvision(inputs: DoctorInputs) -> CheckRow:
     )
 
 
-def cpu_flags(cpuinfo: Path) -> set[str]:
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def check_fp8(inputs: DoctorInputs) -> CheckRow:
-    platform, _ = vllm_platform()
-    if platform == "cuda":
+    vllm_kind, _ = vllm_platform()
+    if vllm_kind == "cuda":
         return _check_fp8_gpu()
-    flags = cpu_flags(inputs.cpuinfo)
-    # vllm/v1/attention/backends/cpu_attn.py _get_attn_isa: x86 with AVX-512 or AMX only.
-    if "avx512f" in flags or "amx_tile" in flags:
+    flags = read_cpu_flags(inputs.cpuinfo)
+    # The ISA rule alone: any head_dim that is a multiple of 32 passes the other rules.
+    ok, reason = fp8_kv_support(inputs.arch, flags, head_dim=128, use_mla=False)
+    if ok:
         isa = "AMX" if "amx_tile" in flags else "AVX-512"
-        return CheckRow("fp8 KV", "ok", f"CPU has {isa}; needs head_dim % 32 == 0, not MLA")
-    return CheckRow(
-        "fp8 KV", "fail", "CPU has neither AVX-512 nor AMX",
-        "run bf16 KV (--kv-cache-dtype auto) on this host, or use an AVX-512/AMX or GPU host",
-    )
+        return CheckRow("fp8 KV", "ok", f"CPU has {isa}; models need head_dim % 32 == 0, not MLA")
+    found, _, fix = reason.partition(": ")
+    return CheckRow("fp8 KV", "fail", found, fix)
 
 
 def _check_fp8_gpu() -> CheckRow:

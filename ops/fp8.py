@@ -18,8 +18,9 @@ import struct
 from pathlib import Path
 from typing import Literal
 
-from kvops.ops.errors import BadInputError
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from kvops.ops.errors import BadInputError
 
 Fp8Format = Literal["fp8_e4m3", "fp8_e5m2"]
 
@@ -48,6 +49,18 @@ def normalize_fp8_dtype(kv_cache_dtype: str) -> Fp8Format | None:
     if kv_cache_dtype == "fp8_e5m2":
         return "fp8_e5m2"
     return None
+
+
+def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU feature flags the kernel reports (empty when unreadable)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def fp8_kv_support(

@@ -18,7 +18,7 @@ glue.wire("kv-exhaustion")
 __all__ = ["KvExhaustionUser", "SteppedShape"]
 
 
-class KvExhaustionUser(OpenAIStreamUser):  # type: ignore[misc]  # locust's FastHttpUser is untyped
+class KvExhaustionUser(OpenAIStreamUser):
     wait_time = constant(0)
 
     def on_start(self) -> None:

@@ -17,7 +17,7 @@ glue.wire("prefix-miss")
 __all__ = ["PoolShape", "PrefixMissUser"]
 
 
-class PrefixMissUser(OpenAIStreamUser):  # type: ignore[misc]  # locust's FastHttpUser is untyped
+class PrefixMissUser(OpenAIStreamUser):
     wait_time = constant(0)
 
     def on_start(self) -> None:

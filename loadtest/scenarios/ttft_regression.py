@@ -17,7 +17,7 @@ glue.wire("ttft-regression")
 __all__ = ["PoolShape", "TtftRegressionUser"]
 
 
-class TtftRegressionUser(OpenAIStreamUser):  # type: ignore[misc]  # locust's FastHttpUser is untyped
+class TtftRegressionUser(OpenAIStreamUser):
     wait_time = constant(0)
 
     def on_start(self) -> None:

@@ -25,12 +25,12 @@ from typing import Any
 
 import requests
 
-from kvops.ops.errors import KvopsError
+from kvops.ops.errors import BadInputError, KvopsError
 from kvops.ops.launch import ManagedServer, free_port, lmcache_server, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 from kvops.ops.offload.shm import remove_stale_segments
 from kvops.ops.offload.status import counter_values
-from kvops.plugin.offload.settings import OffloadSettings
+from kvops.plugin.offload.settings import OffloadSettings, TransferMode
 
 REFERENCE_SHAPE = TinyModelSpec(
     layers=8, hidden=1024, heads=8, kv_heads=8, head_dim=128, intermediate=2816,
@@ -50,7 +50,7 @@ def run() -> dict[str, Any]:
         settings = OffloadSettings(
             port=free_port(), http_port=free_port(), l1_gib=1.0,
             disk_path=str(root / "l2"), disk_gib=2.0,
-            transfer_mode=os.environ.get("KVOPS_BENCH_OFFLOAD_TRANSFER_MODE", "engine_driven"),
+            transfer_mode=_transfer_mode(),
         )
         offload = _offload_side(model, prompts, settings, root)
         baseline = _baseline_side(model, prompts, root)
@@ -221,3 +221,14 @@ def _result(offload: dict[str, Any], baseline: list[tuple[float, str]], memcpy: 
 def _rate(metrics: str, bytes_name: str, seconds_name: str) -> float:
     seconds = _vllm_sum(metrics, seconds_name)
     return _vllm_sum(metrics, bytes_name) / seconds / 1e9 if seconds else 0.0
+
+
+def _transfer_mode() -> TransferMode:
+    mode = os.environ.get("KVOPS_BENCH_OFFLOAD_TRANSFER_MODE", "engine_driven")
+    if mode == "lmcache_driven":
+        return "lmcache_driven"
+    if mode == "engine_driven":
+        return "engine_driven"
+    raise BadInputError(
+        f"KVOPS_BENCH_OFFLOAD_TRANSFER_MODE={mode!r}: use engine_driven or lmcache_driven"
+    )

@@ -25,6 +25,7 @@ from kvops.ops.fp8 import (
     fp8_kv_support,
     load_scales_file,
     normalize_fp8_dtype,
+    read_cpu_flags,
     read_model_config,
     scales_mismatch,
 )
@@ -51,14 +52,7 @@ def cpu_flags() -> frozenset[str]:
     fake = os.environ.get(FAKE_CPU_FLAGS_ENV)
     if fake is not None:
         return frozenset(f for f in fake.split(",") if f)
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+    return read_cpu_flags()
 
 
 def model_dir_of(vllm_config: Any) -> Path | None:
@@ -155,8 +149,9 @@ def check_fp8(vllm_config: Any, kv_scales: KvScalesSettings | None) -> Fp8Plan |
     Runs even without kvops settings: refusing fp8 on a CPU that cannot run it only moves a
     certain worker failure to the start, and the scale-1.0 warning is what operators lack.
     """
-    from kvops.plugin._compat import plugin_logger
     from vllm.platforms import current_platform
+
+    from kvops.plugin._compat import plugin_logger
 
     plan = plan_fp8(vllm_config, kv_scales, on_cpu=current_platform.is_cpu())
     if plan is not None:

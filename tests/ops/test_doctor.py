@@ -43,7 +43,8 @@ def test_cpu_without_avx512_or_amx_cannot_run_fp8(tmp_path: Path):
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma\n")
     row = check_fp8(DoctorInputs(offload_dir=tmp_path, cpuinfo=cpuinfo))
     assert row.status == "fail"
-    assert "neither AVX-512 nor AMX" in row.found
+    assert "needs x86 with AVX-512 or AMX" in row.found
+    assert "drop --kv-cache-dtype fp8" in row.fix
 
 
 def test_fp8_row_matches_this_cpu(tmp_path: Path):
