@@ -1,112 +1,148 @@
 """``make demo`` / ``kvops demo``: the main job end to end on this machine's CPU.
 
-Builds a tiny model on the spot, starts the real `vllm serve` with the kvops plugin, sends a
-short burst of requests and prints what vLLM and the plugin report. Each step prints as it
-goes so a newcomer sees where time is spent; the server is always stopped at the end.
+Builds a tiny model on the spot, plans its KV cache with the planner, starts the real
+`vllm serve` with the kvops plugin and KV-budget admission (a deliberately small cache), sends
+a burst that overloads it plus one request that can never fit, and prints what the planner
+predicted, what vLLM and the plugin report, and how every request was answered. Each step
+prints as it goes; the server is always stopped at the end.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import requests
-from kvops.ops.errors import KvopsError
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvops.ops.capacity.allocator import KVCapacity, SizingFlags, kv_capacity
+from kvops.ops.capacity.model import load_config, read_model
 from kvops.ops.launch import ManagedServer, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
-from prometheus_client.parser import text_string_to_metric_families
+from kvops.plugin.admission_policy import recommended_settings
+from kvops.plugin.settings import parse_settings
 
 KV_LINE = re.compile(r"(?:CPU|GPU) KV cache size: [\d,]+ tokens, Maximum concurrency for .*")
 SHOWN_METRICS = (
-    "kvops_info", "kvops_feature_enabled", "vllm:cache_config_info",
-    "vllm:request_success", "vllm:prompt_tokens", "vllm:generation_tokens",
-    "vllm:num_preemptions", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits",
-    "vllm:prefix_cache_queries",
+    "kvops_info", "kvops_feature_enabled", "kvops_admission_decisions",
+    "vllm:num_preemptions", "vllm:request_success", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
 )
-CACHE_INFO_LABELS = ("block_size", "cache_dtype", "num_gpu_blocks", "kv_cache_size_tokens",
-                     "kv_cache_max_concurrency")
 
 
 @dataclass(frozen=True)
 class DemoOptions:
     work_dir: Path
-    requests: int = 8
-    max_tokens: int = 32
+    requests: int = 24
+    max_tokens: int = 200
     max_model_len: int = 2048
-    kv_cache_bytes: int = 256 << 20
+    kv_blocks: int = 20  # a small cache (20 × 128 tokens) so that the burst overloads it
 
 
 def run_demo(options: DemoOptions, say: Callable[[str], None]) -> dict[str, object]:
     work = options.work_dir
-    say(f"[1/4] building a tiny random-weight Llama in {work / 'model'}")
+    say(f"[1/5] building a tiny random-weight Llama in {work / 'model'}")
     model = build_tiny_model(work / "model", TinyModelSpec())
-    settings = work / "kvops.yaml"
-    settings.write_text("# kvops settings for the demo server (see README)\n{}\n")
+    plan, kv_bytes = _plan(model, options)
+    say(f"[2/5] planner: {plan.num_blocks} blocks of {plan.block_size} tokens "
+        f"({plan.bytes_per_block:,} B each) in {kv_bytes:,} B; predicts '{_log_line(plan)}'")
+    settings = _write_settings(work / "kvops.yaml", plan, options)
+    (work / "vllm.log").unlink(missing_ok=True)
     server = vllm_server(
         model,
         ["--max-model-len", str(options.max_model_len),
          "--additional-config", json.dumps({"kvops": {"config": str(settings)}})],
-        kv_cache_bytes=options.kv_cache_bytes, log_path=work / "vllm.log", name="vllm (demo)",
+        kv_cache_bytes=kv_bytes, log_path=work / "vllm.log", name="vllm (demo)",
     )
-    say(f"[2/4] starting vllm serve with the kvops plugin on {server.url} (log: {server.log_path})")
+    say(f"[3/5] starting vllm serve with the kvops plugin on {server.url} (log: {server.log_path})")
     try:
         server.start()
-        say(f"[3/4] sending {options.requests} concurrent completions")
+        served = _kv_line(server)
+        verdict = "matches the plan" if served.endswith(_log_line(plan)) else "DIFFERS from the plan"
+        say(f"      vLLM: '{served}' — {verdict}")
+        say(f"[4/5] sending {options.requests} concurrent requests of {options.max_tokens} tokens "
+            "and one (n=4 × 1000 tokens) that can never fit")
         answers = _burst(server, str(model), options)
-        for i, (text, usage) in enumerate(answers):
-            say(f"      #{i}: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} "
-                f"generated tokens: {text[:48]!r}")
-        say("[4/4] what vLLM and the plugin report")
-        capacity = _kv_line(server)
-        say(f"      {capacity}")
+        for line in answers:
+            say(f"      {line}")
+        counts = Counter(line.split(":", 1)[0] for line in answers)
+        say("      answered: " + ", ".join(f"{n} × {code}" for code, n in sorted(counts.items())))
+        say("[5/5] what vLLM and the plugin report on /metrics")
         metrics = _metrics(server)
         for line in metrics:
             say(f"      {line}")
-        return {"url": server.url, "answers": len(answers), "capacity": capacity, "metrics": metrics}
+        return {"url": server.url, "capacity": served, "answers": dict(counts), "metrics": metrics}
     finally:
         server.stop()
         say("      server stopped")
 
 
-def _burst(server: ManagedServer, model: str, options: DemoOptions) -> list[tuple[str, dict[str, int]]]:
-    def one(i: int) -> tuple[str, dict[str, int]]:
-        body = {
-            "model": model, "max_tokens": options.max_tokens, "temperature": 0,
+def _plan(model: Path, options: DemoOptions) -> tuple[KVCapacity, int]:
+    kv = read_model(load_config(model / "config.json"), tp=1, kv_cache_dtype="auto")
+    flags = SizingFlags(max_model_len=options.max_model_len, device="cpu")
+    one_block = kv_capacity(kv, 1 << 30, flags).bytes_per_block
+    kv_bytes = options.kv_blocks * one_block
+    return kv_capacity(kv, kv_bytes, flags), kv_bytes
+
+
+def _log_line(plan: KVCapacity) -> str:
+    return str(plan.as_dict()["log_line"])
+
+
+def _write_settings(path: Path, plan: KVCapacity, options: DemoOptions) -> Path:
+    admission = recommended_settings(
+        num_blocks=plan.num_blocks, block_size=plan.block_size,
+        max_num_seqs=128, typical_prompt_tokens=16, typical_output_tokens=options.max_tokens,
+    )
+    settings = {"admission": admission}
+    parse_settings(settings, str(path))  # the plugin will read it: fail here, not there
+    path.write_text("# kvops settings for the demo server (written by kvops demo)\n"
+                    + yaml.safe_dump(settings, sort_keys=False))
+    return path
+
+
+def _burst(server: ManagedServer, model: str, options: DemoOptions) -> list[str]:
+    def one(i: int) -> str:
+        never_fits = i == options.requests
+        body: dict[str, object] = {
+            "model": model, "temperature": 0,
+            "max_tokens": 1000 if never_fits else options.max_tokens,
             "prompt": f"you are a helpful assistant answer the question briefly request {i}",
         }
-        resp = requests.post(server.url + "/v1/completions", json=body, timeout=300)
-        if resp.status_code != 200:
-            raise KvopsError(f"demo request {i} failed with HTTP {resp.status_code}: {resp.text[:200]}")
-        data = resp.json()
-        return data["choices"][0]["text"], data["usage"]
+        if never_fits:
+            body["n"] = 4
+        resp = requests.post(server.url + "/v1/completions", json=body, timeout=600)
+        if resp.status_code == 200:
+            usage = resp.json()["usage"]
+            return f"200: request {i}: {usage['completion_tokens']} tokens generated"
+        retry = resp.headers.get("Retry-After")
+        message = resp.json().get("error", {}).get("message", resp.text)[:200]
+        extra = f" (Retry-After: {retry} s)" if retry else ""
+        return f"{resp.status_code}: request {i}{extra}: {message}"
 
-    with ThreadPoolExecutor(max_workers=options.requests) as pool:
-        return list(pool.map(one, range(options.requests)))
+    with ThreadPoolExecutor(max_workers=options.requests + 1) as pool:
+        return list(pool.map(one, range(options.requests + 1)))
 
 
 def _kv_line(server: ManagedServer) -> str:
-    match = KV_LINE.search(server.log_path.read_text(errors="replace"))
-    return match.group(0) if match else "(no KV cache size line in the log)"
+    matches = KV_LINE.findall(server.log_path.read_text(errors="replace"))
+    return matches[-1] if matches else "(no KV cache size line in the log)"
 
 
 def _metrics(server: ManagedServer) -> list[str]:
     text = requests.get(server.url + "/metrics", timeout=30).text
     lines = []
     for family in text_string_to_metric_families(text):
-        if not family.name.startswith(SHOWN_METRICS):
-            continue
         for sample in family.samples:
-            if sample.name.endswith("_created"):
+            if not sample.name.startswith(SHOWN_METRICS) or sample.name.endswith("_created"):
                 continue
-            labels = sample.labels
-            if sample.name == "vllm:cache_config_info":
-                labels = {k: v for k, v in labels.items() if k in CACHE_INFO_LABELS}
-            else:
-                labels = {k: v for k, v in labels.items() if k not in ("model_name", "engine")}
+            labels = {k: v for k, v in sample.labels.items() if k not in ("model_name", "engine")}
             shown = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
             lines.append(f"{sample.name}{{{shown}}} {sample.value:g}")
     return lines

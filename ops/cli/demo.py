@@ -14,7 +14,7 @@ def register(app: typer.Typer) -> None:
 
 def demo(
     work_dir: Annotated[Path, typer.Option(help="Where the model, settings and server log go.")] = Path(".demo"),
-    requests: Annotated[int, typer.Option(min=1, max=64, help="Concurrent requests in the burst.")] = 8,
+    requests: Annotated[int, typer.Option(min=1, max=64, help="Concurrent requests in the burst.")] = 24,
 ) -> None:
     """Run the main job end to end on this machine (CPU, tiny model built on the spot)."""
     from kvops.ops.demo import DemoOptions, run_demo
