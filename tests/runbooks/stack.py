@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
+
 from kvops.loadtest.metrics import parse_metrics
 
 from .states import Load, State, state
