@@ -162,3 +162,16 @@ def test_inline_promql_parses(tmp_path: Path) -> None:
     proc = subprocess.run([exe, "check", "rules", str(path)], capture_output=True, text=True,
                           timeout=60, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_pages_named_by_verdicts_exist() -> None:
+    """`kvops diagnose` / `kvops loadtest` verdicts point operators at runbooks/<page>.md."""
+    repo = RUNBOOK_DIR.parent
+    named = {
+        match
+        for folder in ("ops", "loadtest", "plugin")
+        for path in (repo / folder).rglob("*.py")
+        for match in re.findall(r"runbooks/([a-z0-9-]+\.md)", path.read_text())
+    }
+    assert named, "no verdict names a runbook page any more"
+    assert named <= {p.name for p in PAGES}
