@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import requests
-from kvops.ops.errors import KvopsError
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvops.ops.errors import KvopsError
 
 # our key -> sample names, newest first
 GAUGES: dict[str, tuple[str, ...]] = {

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import requests
+
 from kvops.ops.errors import BadInputError, KvopsError
 from kvops.ops.fp8 import (
     DEFAULT_MARGIN,

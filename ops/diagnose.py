@@ -98,6 +98,7 @@ def diagnose_samples(first: Any, last: Any) -> list[Verdict]:
             "prefix-miss", "offload-miss", {"external_prefix_queries": ext_q,
                                             "external_prefix_hits": 0},
             f"the offload tier answers no lookups: check the LMCache server ({RUNBOOKS}offload.md)"))
+    verdicts.extend(_offload_verdicts(last))
     queue = hist_mean(first, last, "queue")
     ttft = hist_mean(first, last, "ttft")
     if queue is not None and ttft and queue > 0.5 * ttft and waiting >= 1:
@@ -107,6 +108,24 @@ def diagnose_samples(first: Any, last: Any) -> list[Verdict]:
             "most of TTFT is queueing: arrival rate exceeds the drain rate; compare with a baseline "
             f"via `kvops loadtest ttft-regression --baseline FILE` ({RUNBOOKS}ttft-regression.md)"))
     return verdicts or [healthy(**base)]
+
+
+def _offload_verdicts(last: Any) -> list[Verdict]:
+    """From the plugin's offload gauges; absent gauges mean offload is not configured."""
+    up = last.values.get("kvops_offload_server_up")
+    degraded = last.values.get("kvops_offload_degraded")
+    evidence = {"kvops_offload_server_up": up, "kvops_offload_degraded": degraded}
+    if up is not None and up < 1:
+        return [Verdict(
+            "offload", "unreachable", evidence,
+            "the LMCache server does not answer: `kvops offload status --url LMCACHE_URL`, restart it "
+            f"with `kvops offload serve --config kvops.yaml` ({RUNBOOKS}offload.md)")]
+    if degraded is not None and degraded > 0:
+        return [Verdict(
+            "offload", "degraded", evidence,
+            "the connector runs degraded (recomputing instead of loading): check the vLLM log for "
+            f"kvops offload errors and `kvops offload status` ({RUNBOOKS}offload.md)")]
+    return []
 
 
 def verdicts_from_result(path: Path) -> list[Verdict]:

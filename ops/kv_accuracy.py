@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import requests
+
 from kvops.ops.errors import KvopsError
 
 EVAL_PROMPTS: tuple[str, ...] = (

@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import requests
+
 from kvops.ops.errors import KvopsError
 
 if TYPE_CHECKING:
     from kvops.plugin.offload.settings import OffloadSettings
 
-DEFAULT_READY_TIMEOUT_S = 240.0
+DEFAULT_READY_TIMEOUT_S = 480.0
 CPU_TEST_ENV: Mapping[str, str] = {
     # One of the two cores is reserved for the front end unless told otherwise.
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",

@@ -116,8 +116,9 @@ def _wrap_process_weights(attention_cls: Any) -> None:
 
     def process_weights_after_loading(self: Any, act_dtype: Any) -> None:
         original(self, act_dtype)
-        from kvops.plugin.hooks import settings_of
         from vllm.config import get_current_vllm_config
+
+        from kvops.plugin.hooks import settings_of
 
         vllm_config = get_current_vllm_config()
         settings = settings_of(vllm_config)

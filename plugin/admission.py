@@ -18,6 +18,11 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import Any
 
+from vllm.logger import init_logger
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
 from kvops.plugin.admission_policy import (
     AdmissionPolicy,
     KVBudget,
@@ -27,10 +32,6 @@ from kvops.plugin.admission_policy import (
 )
 from kvops.plugin.admission_settings import AdmissionSettings
 from kvops.plugin.settings import load_settings
-from vllm.logger import init_logger
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request, RequestStatus
 
 logger = init_logger("vllm.plugins.kvops.admission")
 

@@ -6,8 +6,9 @@ pydantic, so the planner can build and check it without vLLM.
 
 from __future__ import annotations
 
-from kvops.plugin.admission_policy import Policy, QueueBudget
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvops.plugin.admission_policy import Policy, QueueBudget
 
 # --scheduler-cls values, by whether the engine schedules asynchronously (GPU default; always
 # off on the CPU platform, vllm/platforms/cpu.py:329-331).

@@ -94,8 +94,9 @@ def _wrap_render(cls: type, name: str, inputs_of: Any) -> None:
         return
 
     async def render(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        from kvops.plugin.admission_http import decide
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        from kvops.plugin.admission_http import decide
 
         result = await original(self, request, *args, **kwargs)
         if isinstance(result, ErrorResponse):

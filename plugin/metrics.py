@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvops.plugin.settings import FEATURE_FIELDS, KvopsSettings
-
 from kvops import __version__
+from kvops.plugin.settings import FEATURE_FIELDS, KvopsSettings
 
 _METRICS: dict[str, Any] = {}
 

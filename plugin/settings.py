@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 from kvops.plugin.admission_settings import AdmissionSettings
 from kvops.plugin.errors import KvopsPluginError
 from kvops.plugin.fp8.settings import KvScalesSettings
 from kvops.plugin.offload.settings import OffloadSettings
-from pydantic import BaseModel, ConfigDict, ValidationError
 
 ADDITIONAL_CONFIG_KEY = "kvops"
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+
 from kvops.plugin.hooks import settings_of
 from kvops.plugin.metrics import publish_info
-from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
 
 class KvopsStatLogger(AggregateStatLoggerBase):

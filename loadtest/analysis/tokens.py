@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import requests
+
 from kvops.ops.errors import KvopsError
 
 

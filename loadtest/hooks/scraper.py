@@ -10,6 +10,7 @@ import time
 
 import gevent
 from gevent import Greenlet
+
 from kvops.loadtest.metrics import MetricsSample, scrape
 from kvops.ops.errors import KvopsError
 

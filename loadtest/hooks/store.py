@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvops.loadtest.records import RequestRecord
 from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
+
+from kvops.loadtest.records import RequestRecord
 
 REPORT_KEY = "kvops_records"
 

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from kvops.ops.errors import BadInputError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvops.ops.errors import BadInputError
 
 SCENARIOS: dict[str, str] = {
     "kv-exhaustion": "kv_exhaustion",

@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from locust.env import Environment
+
 from kvops.loadtest.finalize import Run, finalize
 from kvops.loadtest.hooks.store import store_of
 from kvops.loadtest.scenarios.glue import config_of, model_of
 from kvops.ops.errors import EXIT_ERROR, KvopsError
-from locust.env import Environment
 
 log = logging.getLogger("kvops.loadtest")
 

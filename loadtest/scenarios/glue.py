@@ -12,15 +12,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from locust import events
+from locust.env import Environment
+from locust.runners import WorkerRunner
+
 from kvops.loadtest.analysis.tokens import served_model
 from kvops.loadtest.hooks.scraper import MetricsScraper
 from kvops.loadtest.hooks.store import install_merging, store_of
 from kvops.loadtest.scenarios.config import ScenarioConfig, TtftRegressionConfig, load_config
 from kvops.loadtest.scenarios.workloads import load_dataset
 from kvops.loadtest.shapes.poisson import ArrivalSchedule
-from locust import events
-from locust.env import Environment
-from locust.runners import WorkerRunner
 
 
 def add_arguments(parser: Any) -> None:

@@ -7,12 +7,13 @@ predicted concurrency.
 
 from __future__ import annotations
 
+from locust import constant, task
+
 from kvops.loadtest.scenarios import glue
 from kvops.loadtest.scenarios.config import KvExhaustionConfig
 from kvops.loadtest.scenarios.workloads import dataset_body, generated_body
 from kvops.loadtest.shapes.stepped import SteppedShape
 from kvops.loadtest.users.openai import OpenAIStreamUser
-from locust import constant, task
 
 glue.wire("kv-exhaustion")
 __all__ = ["KvExhaustionUser", "SteppedShape"]

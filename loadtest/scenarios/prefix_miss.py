@@ -6,12 +6,13 @@ from __future__ import annotations
 import itertools
 
 from gevent.event import Event
+from locust import constant, task
+
 from kvops.loadtest.scenarios import glue
 from kvops.loadtest.scenarios.config import PrefixMissConfig
 from kvops.loadtest.scenarios.workloads import dataset_body, prefix_request
 from kvops.loadtest.shapes.stepped import PoolShape
 from kvops.loadtest.users.openai import OpenAIStreamUser
-from locust import constant, task
 
 glue.wire("prefix-miss")
 __all__ = ["PoolShape", "PrefixMissUser"]

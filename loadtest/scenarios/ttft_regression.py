@@ -6,12 +6,13 @@ from __future__ import annotations
 import time
 
 import gevent
+from locust import constant, task
+
 from kvops.loadtest.scenarios import glue
 from kvops.loadtest.scenarios.config import TtftRegressionConfig
 from kvops.loadtest.scenarios.workloads import dataset_body, generated_body
 from kvops.loadtest.shapes.stepped import PoolShape
 from kvops.loadtest.users.openai import OpenAIStreamUser
-from locust import constant, task
 
 glue.wire("ttft-regression")
 __all__ = ["PoolShape", "TtftRegressionUser"]

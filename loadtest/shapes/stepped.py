@@ -6,9 +6,10 @@ loadtest`` run the same steps; a shape ends the run, so no ``-t`` is needed.
 
 from __future__ import annotations
 
+from locust import LoadTestShape
+
 from kvops.loadtest.scenarios.config import KvExhaustionConfig
 from kvops.loadtest.scenarios.glue import config_of
-from locust import LoadTestShape
 
 SPAWN_RATE = 100.0
 

@@ -20,10 +20,11 @@ import time
 from typing import Any
 
 from gevent import GreenletExit
+from locust import FastHttpUser
+
 from kvops.loadtest.hooks.store import store_of
 from kvops.loadtest.records import RequestRecord
 from kvops.loadtest.sse import parse_line, usage_counts
-from locust import FastHttpUser
 
 STREAM_HEADERS = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
 _ids = itertools.count()

@@ -18,9 +18,10 @@ import re
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from kvops.ops.capacity.constants import GIB
 from kvops.ops.errors import BadInputError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 CALIBRATION_FORMAT: Final = "kvops-calibration/1"
 LOG_PRECISION_GIB = 0.005  # half of format_gib's 0.01 rounding

@@ -7,6 +7,7 @@ import json
 from typing import Annotated, Any
 
 import typer
+
 from kvops.ops.errors import BadInputError
 
 BENCHES: dict[str, str] = {

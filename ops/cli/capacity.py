@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
 from kvops.ops.errors import BadInputError, CheckFailedError
 
 Config = Annotated[Path, typer.Option("--config", help="config.json or a model directory.")]

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from kvops.ops.errors import EXIT_CHECK_FAILED
 
 

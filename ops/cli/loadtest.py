@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from kvops.ops.errors import EXIT_OK
 
 SCENARIO_NAMES = "kv-exhaustion, prefix-miss, ttft-regression"

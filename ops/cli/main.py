@@ -12,10 +12,10 @@ import sys
 from typing import Any
 
 import typer
-from kvops.ops.errors import EXIT_ERROR, KvopsError
 from typer.core import TyperGroup
 
 from kvops import __version__
+from kvops.ops.errors import EXIT_ERROR, KvopsError
 
 # One line per command module; each defines register(app: typer.Typer) -> None.
 COMMAND_MODULES: tuple[str, ...] = (

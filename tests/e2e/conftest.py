@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from kvops.ops.launch import ManagedServer, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 

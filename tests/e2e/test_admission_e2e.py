@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import requests
+
 from kvops.ops.bench.admission_load import Outcome, open_loop, scrape_counter
 
 pytestmark = pytest.mark.e2e

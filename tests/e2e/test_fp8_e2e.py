@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
+
 from kvops.ops.bench.fp8 import kv_tokens_from_log
 from kvops.ops.calibrate import CalibrationRequest, collect_scales, synthetic_prompts
 from kvops.ops.fp8 import ScalesFile, fingerprint_of_config, read_model_config
@@ -178,9 +179,10 @@ def test_checkpoint_scales_win_unless_overridden(vllm, saturating: Fp8Run, tmp_p
 
 
 def test_kvops_calibrate_cli_writes_a_scales_file(tiny_model, tmp_path):
+    from typer.testing import CliRunner
+
     from kvops.ops.cli.main import app
     from kvops.ops.fp8 import load_scales_file
-    from typer.testing import CliRunner
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the cache holds keys and values\nhello world you are a helpful assistant\n")

@@ -10,6 +10,7 @@ import struct
 from pathlib import Path
 
 import pytest
+
 from kvops.ops.fp8 import fingerprint_of_config, read_model_config
 
 pytestmark = pytest.mark.e2e

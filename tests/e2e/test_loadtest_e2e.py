@@ -9,8 +9,9 @@ import json
 import re
 
 import pytest
-from kvops.ops.cli.main import app
 from typer.testing import CliRunner
+
+from kvops.ops.cli.main import app
 
 pytestmark = pytest.mark.e2e
 

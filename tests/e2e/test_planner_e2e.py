@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import requests
+from typer.testing import CliRunner
+
 from kvops.ops.capacity.verify import parse_log, parse_metrics
 from kvops.ops.cli.main import app
-from typer.testing import CliRunner
 
 pytestmark = pytest.mark.e2e
 

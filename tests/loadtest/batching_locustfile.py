@@ -6,9 +6,10 @@ import json
 import os
 import time
 
+from locust import constant, events, task
+
 from kvops.loadtest.hooks.store import store_of
 from kvops.loadtest.users.openai import OpenAIStreamUser
-from locust import constant, events, task
 
 BODY = {"model": "fake", "prompt": "hi", "max_tokens": 12}
 OUT = os.environ["KVOPS_TEST_OUT"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from kvops.loadtest.analysis import kv, prefix, ttft
 from kvops.loadtest.analysis.stats import bootstrap_relative_change, percentile
 from kvops.loadtest.metrics import MetricsSample

@@ -4,8 +4,9 @@ numbers our diagnoses read, under both metric-name generations."""
 from __future__ import annotations
 
 import pytest
-from kvops.loadtest.metrics import delta, hist_mean, parse_metrics, prefix_caching_enabled
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvops.loadtest.metrics import delta, hist_mean, parse_metrics, prefix_caching_enabled
 
 
 def _page(usage_name: str, prefix: str, engines: int = 2) -> str:

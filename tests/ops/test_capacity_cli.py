@@ -8,8 +8,9 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvops.ops.cli.main import app
 from typer.testing import CliRunner
+
+from kvops.ops.cli.main import app
 
 FIXTURES = Path(__file__).parents[2] / "../shared/fixtures/model-configs"
 LLAMA_70B = FIXTURES / "meta-llama--Meta-Llama-3.1-70B.json"

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
 from kvops.ops.capacity.allocator import SizingFlags, kv_capacity
 from kvops.ops.capacity.model import read_model
 from kvops.ops.errors import BadInputError

@@ -13,10 +13,11 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from typer.testing import CliRunner
+
 from kvops.ops.cli.main import app
 from kvops.ops.errors import BadInputError
 from kvops.plugin.settings import parse_settings
-from typer.testing import CliRunner
 
 FIXTURES = Path(__file__).parents[2] / "../shared/fixtures/model-configs"
 LLAMA_8B = FIXTURES / "meta-llama--Meta-Llama-3.1-8B.json"

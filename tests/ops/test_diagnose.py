@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from kvops.loadtest.metrics import MetricsSample
 from kvops.ops.diagnose import PROBLEMS, Verdict, diagnose_samples, merge, verdicts_from_result
 
@@ -63,3 +64,31 @@ def test_result_file_verdicts_win_over_a_healthy_live_read(tmp_path):
                                               "next": "fix the template"}]}))
     merged = merge(diagnose_samples(*_pair()), verdicts_from_result(path))
     assert _causes(merged) == [("prefix-miss", "prefix-drift")]
+
+
+OFFLOAD_METRICS = """\
+# TYPE kvops_offload_server_up gauge
+kvops_offload_server_up {up}
+# TYPE kvops_offload_degraded gauge
+kvops_offload_degraded{{engine="0",model_name="m"}} {degraded}
+"""
+
+
+@pytest.mark.parametrize(
+    ("up", "degraded", "expected"),
+    [
+        (0, 1, [("offload", "unreachable")]),
+        (1, 1, [("offload", "degraded")]),
+        (1, 0, [("healthy", "none")]),
+    ],
+)
+def test_offload_verdicts_from_the_plugin_gauges(up, degraded, expected):
+    from kvops.loadtest.metrics import parse_metrics
+
+    first = parse_metrics(OFFLOAD_METRICS.format(up=1, degraded=0), t=0.0)
+    last = parse_metrics(OFFLOAD_METRICS.format(up=up, degraded=degraded), t=5.0)
+    assert _causes(diagnose_samples(first, last)) == expected
+
+
+def test_no_offload_gauges_no_offload_verdict():
+    assert all(v.problem != "offload" for v in diagnose_samples(*_pair()))

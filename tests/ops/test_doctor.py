@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from typer.testing import CliRunner
+
 from kvops.ops.cli.main import app
 from kvops.ops.doctor import DoctorInputs, check_fp8, check_offload_dir, run_checks
-from typer.testing import CliRunner
 
 runner = CliRunner()
 

@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
 from kvops.ops.calibrate import load_prompts, quantization_error, synthetic_prompts
 from kvops.ops.cli.main import app
-from typer.testing import CliRunner
 
 runner = CliRunner()
 

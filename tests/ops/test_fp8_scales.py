@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 import pytest
+
 from kvops.ops.errors import BadInputError
 from kvops.ops.fp8 import (
     checkpoint_kv_scale_names,

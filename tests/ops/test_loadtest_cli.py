@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvops.ops.cli.main import app
 from typer.testing import CliRunner
+
+from kvops.ops.cli.main import app
 
 URL = "http://127.0.0.1:9"  # nothing listens: bad input must be caught before any connection
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvops.plugin.admission_policy import (
     AdmissionPolicy,
     DrainRate,

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
 from kvops.plugin import admission_http
 from kvops.plugin.admission_policy import recommended_settings
 from kvops.plugin.admission_settings import AdmissionSettings
 from kvops.plugin.errors import KvopsPluginError
 from kvops.plugin.settings import load_settings
-from starlette.applications import Starlette
-from starlette.responses import JSONResponse, StreamingResponse
-from starlette.routing import Route
-from starlette.testclient import TestClient
 
 
 def _load(admission: object) -> AdmissionSettings:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from vllm.config import SchedulerConfig
+
 from kvops.plugin import admission_http
 from kvops.plugin.admission_settings import AdmissionSettings
 from kvops.plugin.admission_wiring import configure
 from kvops.plugin.errors import KvopsPluginError
-from vllm.config import SchedulerConfig
 
 
 def _config(async_scheduling: bool, scheduler_cls: object = None) -> SimpleNamespace:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvops.plugin.errors import KvopsPluginError
 from kvops.plugin.settings import load_settings
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import kvops.plugin as plugin
 import pytest
+
+import kvops.plugin as plugin
 
 
 @pytest.fixture

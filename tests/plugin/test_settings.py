@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kvops.plugin.errors import KvopsPluginError
 from kvops.plugin.settings import FEATURE_FIELDS, KvopsSettings, load_settings
 
