@@ -7,6 +7,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 FOLDER_OF = {"kvops.plugin": "plugin", "kvops.ops": "ops", "kvops.loadtest": "loadtest", "kvops": "kvops"}
@@ -41,17 +43,26 @@ class Block:
         if name.split('.')[0] in ('vllm', 'torch', 'lmcache'):
             raise ImportError('blocked: ' + name)
 sys.meta_path.insert(0, Block())
-import kvops.ops, kvops.loadtest
-for pkg in (kvops.ops, kvops.loadtest):
-    for mod in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):
-        importlib.import_module(mod.name)
+{prelude}
+pkg = importlib.import_module('{package}')
+for mod in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):
+    importlib.import_module(mod.name)
 print('ok')
 """
 
 
-def test_ops_and_loadtest_import_without_vllm_or_torch():
-    """Every module of kvops.ops and kvops.loadtest imports with vllm/torch/lmcache blocked."""
-    out = subprocess.run([sys.executable, "-c", BLOCK_HEAVY], capture_output=True, text=True, check=False)
+@pytest.mark.parametrize(
+    ("package", "prelude"),
+    [
+        ("kvops.ops", ""),
+        # As in a Locust process: locust (and its gevent patching) is imported before our code.
+        ("kvops.loadtest", "import locust"),
+    ],
+)
+def test_ops_and_loadtest_import_without_vllm_or_torch(package, prelude):
+    """Every module imports with vllm/torch/lmcache blocked (an SRE laptop, a Locust worker)."""
+    code = BLOCK_HEAVY.format(package=package, prelude=prelude)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
 
