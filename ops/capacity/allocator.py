@@ -21,6 +21,7 @@ from kvops.ops.capacity.constants import (
     KERNEL_BLOCK_ALIGNMENT,
     MLA_HYBRID_BLOCK_ALIGNMENT,
 )
+from kvops.ops.capacity.indexer import SPARSE_MLA_BLOCK_SIZE
 from kvops.ops.capacity.model import LayerKV, ModelKV
 from kvops.ops.errors import BadInputError
 
@@ -136,7 +137,9 @@ def resolve_block_size(model: ModelKV, flags: SizingFlags) -> tuple[int, int | N
     """(attention block size, padded mamba page or None) as the platform resolves them."""
     if flags.device not in DEFAULT_BLOCK_SIZE:
         raise BadInputError(f"--device {flags.device!r}: use one of {', '.join(DEFAULT_BLOCK_SIZE)}")
-    if flags.device == "cpu" and model.use_mla:
+    if model.sparse_mla:
+        bs = _sparse_mla_block_size(flags)
+    elif flags.device == "cpu" and model.use_mla:
         bs = CPU_MLA_BLOCK_SIZE  # platforms/cpu.py forces 16 for the CPU MLA backend
     else:
         bs = flags.block_size or DEFAULT_BLOCK_SIZE[flags.device]
@@ -154,6 +157,18 @@ def resolve_block_size(model: ModelKV, flags: SizingFlags) -> tuple[int, int | N
     bs = max(bs, attn_bs)
     attn_page = bs * per_token
     return bs, (attn_page if attn_page != mamba_page else None)
+
+
+def _sparse_mla_block_size(flags: SizingFlags) -> int:
+    """The indexer backend takes 64-token kernel blocks only (indexer.py); CPU has no sparse MLA."""
+    if flags.device == "cpu":
+        raise BadInputError("sparse MLA (config 'index_topk', DeepSeek-V3.2) does not run on vLLM's CPU "
+                            "platform (platforms/cpu.py); plan it with --device cuda")
+    bs = flags.block_size or SPARSE_MLA_BLOCK_SIZE
+    if bs % SPARSE_MLA_BLOCK_SIZE:
+        raise BadInputError(f"--block-size {bs}: sparse MLA (index_topk) needs a multiple of "
+                            f"{SPARSE_MLA_BLOCK_SIZE} (the indexer's kernel block)")
+    return bs
 
 
 def _layer_spec(layer: LayerKV, bs: int, mamba_padded: int | None) -> Spec:

@@ -39,6 +39,8 @@ def kv_formula(model: ModelKV, lengths: Sequence[int], batch: int = 0, seq_len: 
     groups: dict[str, dict[str, object]] = {}
     for layer in model.layers:
         key = layer.kind if layer.window is None else f"{layer.kind}(window={layer.window})"
+        if layer.role != "kv":
+            key = f"{key}-{layer.role}"  # the sparse-MLA indexer: its own bytes per token
         entry = groups.setdefault(key, {"layers": 0, "bytes_per_token_per_layer": layer.bytes_per_token,
                                         "state_bytes_per_layer": layer.state_bytes})
         entry["layers"] = int(str(entry["layers"])) + 1

@@ -16,7 +16,6 @@ LayerChoice = tuple[str | None, int | None]  # (kind, window or chunk tokens)
 
 # Config keys of architectures whose cache we do not model yet: refusing beats guessing.
 _UNSUPPORTED_KEYS = {
-    "index_topk": "DeepSeek-V3.2 indexer cache",
     "attn_type_list": "MiniMax linear attention",
     "global_head_dim": "per-layer head dims (Gemma-4)",
     "layers_block_type": "Jamba/Granite-style layers_block_type",

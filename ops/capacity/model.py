@@ -20,6 +20,12 @@ from kvops.ops.capacity.constants import (
     KV_DTYPE_BYTES,
     MODEL_DTYPE_BYTES,
 )
+from kvops.ops.capacity.indexer import (
+    has_indexer,
+    indexer_bytes_per_token,
+    is_sparse_mla,
+    sparse_mla_row_bytes,
+)
 from kvops.ops.capacity.layers import layer_kinds
 from kvops.ops.errors import BadInputError
 
@@ -38,6 +44,7 @@ class LayerKV:
     window: int | None = None  # sliding window or attention chunk, tokens
     state_bytes: int = 0  # mamba: Σ conv/ssm state bytes (one page before padding)
     checkpoint_blocks: int = 0  # Mamba2 keeps one prefill checkpoint block in align mode
+    role: str = "kv"  # "indexer": a sparse-MLA layer's lightning-indexer cache (indexer.py)
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,7 @@ class ModelKV:
     max_position_embeddings: int | None
     num_decoder_layers: int = 0  # what pipeline parallelism splits (distributed/utils.py get_pp_indices)
     draft_layers: int = 0  # drafter (MTP/EAGLE) attention layers after the target's, on the last PP stage
+    sparse_mla: bool = False  # DeepSeek-V3.2 index_topk: 64-token blocks, CUDA only (indexer.py)
 
     @property
     def is_hybrid(self) -> bool:
@@ -171,15 +179,22 @@ def read_model(
     arch = str(archs[0])
     mdtype = model_dtype(cfg, dtype)
     use_mla = cfg.get("kv_lora_rank") is not None
+    sparse = is_sparse_mla(cfg)
     if kv_cache_dtype == "fp8_ds_mla" and not use_mla:
         raise BadInputError("--kv-cache-dtype fp8_ds_mla is only for MLA models (kv_lora_rank)")
+    if sparse and not use_mla:
+        raise BadInputError("config field 'index_topk' (sparse MLA indexer) needs an MLA model: "
+                            "'kv_lora_rank' is missing")
     kv_bytes = kv_dtype_bytes(kv_cache_dtype, mdtype)
     hsize = head_size(cfg, use_mla)
     heads = 1 if use_mla else kv_heads_per_rank(total_kv_heads(cfg), tp)
-    if use_mla:
+    if sparse:
+        per_token = sparse_mla_row_bytes(kv_cache_dtype, hsize, int(MODEL_DTYPE_BYTES[mdtype]))
+    elif use_mla:
         per_token = FP8_DS_MLA_ROW_BYTES if kv_cache_dtype == "fp8_ds_mla" else hsize * kv_bytes
     else:
         per_token = heads * 2 * hsize * kv_bytes
+    index_bytes = indexer_bytes_per_token(cfg) if sparse else 0
     from kvops.ops.capacity.mamba import mamba_layer_bytes
 
     layers: list[LayerKV] = []
@@ -193,24 +208,33 @@ def read_model(
                                   checkpoint_blocks=1 if kind == "mamba2" else 0))
         elif use_mla:
             layers.append(LayerKV(index, "mla", bytes_per_token=per_token))
+            if sparse and has_indexer(cfg, index):
+                layers.append(LayerKV(index, "mla", bytes_per_token=index_bytes, role="indexer"))
         else:
             layers.append(LayerKV(index, cast(LayerKind, kind), bytes_per_token=per_token, window=window))
     if not layers:
         raise BadInputError(f"{arch}: no layer with a KV cache found; check num_hidden_layers")
-    layers += _draft_layers(layers, draft_layers, len(kinds))
+    layers += _draft_layers(layers, draft_layers, len(kinds), index_bytes)
     max_pos = cfg.get("max_position_embeddings")
     return ModelKV(
         architecture=arch, model_dtype=mdtype,
-        kv_dtype=mdtype if kv_cache_dtype == "auto" else kv_cache_dtype,
+        kv_dtype=_kv_dtype_name(kv_cache_dtype, mdtype, sparse),
         layers=tuple(layers), num_kv_heads_per_rank=heads, head_size=hsize, use_mla=use_mla,
         attn_bytes_per_token_1=per_token,
         max_position_embeddings=max_pos if isinstance(max_pos, int) else None,
-        num_decoder_layers=len(kinds), draft_layers=draft_layers,
+        num_decoder_layers=len(kinds), draft_layers=draft_layers, sparse_mla=sparse,
     )
 
 
-def _draft_layers(layers: list[LayerKV], count: int, first_index: int) -> list[LayerKV]:
-    """Copies of the target's full-attention/MLA layer for the drafter, numbered after it."""
+def _kv_dtype_name(kv_cache_dtype: str, mdtype: str, sparse: bool) -> str:
+    if kv_cache_dtype == "auto":
+        return mdtype
+    return "fp8_ds_mla" if sparse and kv_cache_dtype == "fp8" else kv_cache_dtype  # FLASHMLA_SPARSE
+
+
+def _draft_layers(layers: list[LayerKV], count: int, first_index: int, index_bytes: int = 0) -> list[LayerKV]:
+    """Copies of the target's full-attention/MLA layer for the drafter, numbered after it; sparse-MLA
+    drafter (MTP) layers always build their own indexer (models/deepseek_v32/attention.py:185)."""
     if count < 0:
         raise BadInputError(f"--draft-layers must be >= 0, got {count}")
     if not count:
@@ -218,7 +242,12 @@ def _draft_layers(layers: list[LayerKV], count: int, first_index: int) -> list[L
     if any(layer.kind == "mamba" for layer in layers):
         # Mamba specs also reserve num_speculative_blocks per request; not modelled yet.
         raise BadInputError("--draft-layers on mamba/GDN hybrids is not supported by the planner yet")
-    base = next((layer for layer in layers if layer.kind in ("full", "mla")), None)
+    base = next((layer for layer in layers if layer.kind in ("full", "mla") and layer.role == "kv"), None)
     if base is None:
         raise BadInputError("--draft-layers needs a full-attention layer to copy; this model has none")
-    return [LayerKV(first_index + i, base.kind, bytes_per_token=base.bytes_per_token) for i in range(count)]
+    out = []
+    for i in range(count):
+        out.append(LayerKV(first_index + i, base.kind, bytes_per_token=base.bytes_per_token))
+        if index_bytes:
+            out.append(LayerKV(first_index + i, "mla", bytes_per_token=index_bytes, role="indexer"))
+    return out
