@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvops.ops.capacity import gemma4
+from kvops.ops.capacity.gemma4 import is_gemma4
 from kvops.ops.errors import BadInputError
 
 LayerChoice = tuple[str | None, int | None]  # (kind, window or chunk tokens)
@@ -17,7 +19,6 @@ LayerChoice = tuple[str | None, int | None]  # (kind, window or chunk tokens)
 # Config keys of architectures whose cache we do not model yet: refusing beats guessing.
 _UNSUPPORTED_KEYS = {
     "attn_type_list": "MiniMax linear attention",
-    "global_head_dim": "per-layer head dims (Gemma-4)",
     "layers_block_type": "Jamba/Granite-style layers_block_type",
     "kv_sharing_layer_map": "custom cross-layer KV sharing",
 }
@@ -109,6 +110,26 @@ def layer_kinds(cfg: Mapping[str, Any]) -> list[LayerChoice]:
     for key, what in _UNSUPPORTED_KEYS.items():
         if cfg.get(key) is not None:
             raise BadInputError(f"config field {key!r} ({what}) is not supported by the planner yet")
+    if is_gemma4(cfg):
+        kinds: list[LayerChoice] = [("sliding", gemma4.window(cfg)) if kind == "sliding_attention" else ("full", None)
+                                    for kind in gemma4.layer_types(cfg)]
+    else:
+        _refuse_per_layer_dims(cfg)
+        kinds = _standard_kinds(cfg)
+    return _drop_shared(cfg, kinds)
+
+
+def _refuse_per_layer_dims(cfg: Mapping[str, Any]) -> None:
+    """Only vLLM's Gemma-4 model reads per-layer head dims; elsewhere they would be ignored."""
+    for key in ("global_head_dim", "per_layer_config"):
+        if cfg.get(key) is not None:
+            raise BadInputError(
+                f"config field {key!r} (per-layer head dims) is read by vLLM 0.32 only for Gemma-4 "
+                f"(model_type gemma4/gemma4_text), not model_type {cfg.get('model_type')!r}; "
+                "the planner cannot tell which head dims this model's vLLM class uses")
+
+
+def _standard_kinds(cfg: Mapping[str, Any]) -> list[LayerChoice]:
     if "hybrid_override_pattern" in cfg:
         kinds = _from_pattern(cfg["hybrid_override_pattern"])
     else:
@@ -117,6 +138,10 @@ def layer_kinds(cfg: Mapping[str, Any]) -> list[LayerChoice]:
             kinds = _from_layer_types(cfg, cfg["layer_types"], n)
         else:
             kinds = _derived_types(cfg, n)
+    return kinds
+
+
+def _drop_shared(cfg: Mapping[str, Any], kinds: list[LayerChoice]) -> list[LayerChoice]:
     shared = cfg.get("num_kv_shared_layers") or 0
     if not isinstance(shared, int) or shared < 0 or shared >= len(kinds):
         raise BadInputError(f"config field 'num_kv_shared_layers' must be in [0, layers), got {shared!r}")

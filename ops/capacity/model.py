@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from kvops.ops.capacity import gemma4
 from kvops.ops.capacity.constants import (
     FP8_DS_MLA_ROW_BYTES,
     KV_CACHE_DTYPES,
     KV_DTYPE_BYTES,
     MODEL_DTYPE_BYTES,
 )
+from kvops.ops.capacity.gemma4 import is_gemma4
 from kvops.ops.capacity.indexer import (
     has_indexer,
     indexer_bytes_per_token,
@@ -199,6 +201,10 @@ def read_model(
 
     layers: list[LayerKV] = []
     kinds = layer_kinds(cfg)
+    per_layer = _gemma4_bytes_per_token(cfg, tp, kv_bytes) if is_gemma4(cfg) else None
+    if per_layer is not None:  # model-level figures: the first layer's (hybrid alignment needs none here)
+        hsize, per_token = gemma4.layer_shapes(cfg)[0][0], per_layer[0]
+        heads = per_token // (2 * hsize * kv_bytes)
     for index, (kind, window) in enumerate(kinds):
         if kind is None:
             continue
@@ -211,7 +217,8 @@ def read_model(
             if sparse and has_indexer(cfg, index):
                 layers.append(LayerKV(index, "mla", bytes_per_token=index_bytes, role="indexer"))
         else:
-            layers.append(LayerKV(index, cast(LayerKind, kind), bytes_per_token=per_token, window=window))
+            own = per_token if per_layer is None else per_layer[index]
+            layers.append(LayerKV(index, cast(LayerKind, kind), bytes_per_token=own, window=window))
     if not layers:
         raise BadInputError(f"{arch}: no layer with a KV cache found; check num_hidden_layers")
     layers += _draft_layers(layers, draft_layers, len(kinds), index_bytes)
@@ -224,6 +231,11 @@ def read_model(
         max_position_embeddings=max_pos if isinstance(max_pos, int) else None,
         num_decoder_layers=len(kinds), draft_layers=draft_layers, sparse_mla=sparse,
     )
+
+
+def _gemma4_bytes_per_token(cfg: Mapping[str, Any], tp: int, kv_bytes: int) -> list[int]:
+    """Each layer's own heads × (K + V) × its head dim (gemma4.py), heads split over TP per layer."""
+    return [kv_heads_per_rank(heads, tp) * 2 * head_dim * kv_bytes for head_dim, heads in gemma4.layer_shapes(cfg)]
 
 
 def _kv_dtype_name(kv_cache_dtype: str, mdtype: str, sparse: bool) -> str:
