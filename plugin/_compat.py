@@ -6,15 +6,23 @@ Hook points:
   starts: we validate kvops settings there so that bad settings fail fast.
 - ``KVConnectorFactory.register_connector`` (vllm/distributed/kv_transfer/kv_connector/
   factory.py:30-40) raises on a duplicate name, so we check its ``_registry`` first.
+- ``wait_for_engine_startup`` (vllm/v1/engine/utils.py:1361) raises a RuntimeError with a
+  traceback when an engine process dies while starting; ``arm_engine_refusal`` turns a death
+  that kvops caused on purpose (``refuse_in_engine``) into our one line and exit code 2.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.abc
 import importlib.util
 import logging
+import os
+import signal
 import sys
-from typing import Any
+import tempfile
+from pathlib import Path
+from typing import Any, NoReturn
 
 _WRAPPED_MARK = "_kvops_wrapped"
 
@@ -53,10 +61,77 @@ def _fail_fast(hook: Any, vllm_config: Any) -> None:
     try:
         hook(vllm_config)
     except KvopsPluginError as exc:
-        message = " ".join(str(exc).split())
-        sys.stderr.write(f"kvops: refusing to start: {message}\n")
-        sys.stderr.flush()
+        _say_refusal(str(exc))
         raise SystemExit(2) from None
+
+
+def _say_refusal(message: str) -> None:
+    sys.stderr.write(f"kvops: refusing to start: {' '.join(message.split())}\n")
+    sys.stderr.flush()
+
+
+FRONTEND_PID_ENV = "KVOPS_FRONTEND_PID"
+REFUSAL_NOTE_ENV = "KVOPS_REFUSAL_NOTE"
+
+
+def arm_engine_refusal() -> None:
+    """Front end, before vLLM starts its engine processes (they inherit the environment): where
+    an engine process leaves the reason it refuses, and a wrapper of vLLM's wait for the engines
+    that prints that reason as our one line and exits 2 instead of raising with a traceback."""
+    import vllm.v1.engine.utils as engine_utils
+
+    fd, note = tempfile.mkstemp(prefix="kvops-refusal-")  # empty: nothing refused yet
+    os.close(fd)
+    atexit.register(Path(note).unlink, missing_ok=True)
+    os.environ[FRONTEND_PID_ENV] = str(os.getpid())
+    os.environ[REFUSAL_NOTE_ENV] = note
+    original = engine_utils.wait_for_engine_startup
+    if getattr(original, _WRAPPED_MARK, False):
+        return
+
+    def wait_for_engine_startup(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except RuntimeError:
+            reason = _take_note()
+            if reason is None:
+                raise
+            _say_refusal(reason)
+            raise SystemExit(2) from None
+
+    setattr(wait_for_engine_startup, _WRAPPED_MARK, True)
+    engine_utils.wait_for_engine_startup = wait_for_engine_startup
+
+
+def _take_note() -> str | None:
+    path = os.environ.get(REFUSAL_NOTE_ENV)
+    if not path:
+        return None
+    try:
+        reason = Path(path).read_text()
+    except OSError:
+        return None
+    return reason or None
+
+
+def refuse_in_engine(message: str, *, worker: bool) -> NoReturn:
+    """Stop ``vllm serve`` from an engine or worker process with one line and exit code 2.
+
+    Raising would not do it: the worker's exception travels to the engine core as a string, the
+    engine core and multiprocessing log it with tracebacks, and the front end raises its own.
+    So the reason goes to the note the front end armed, a worker takes its engine core down
+    first (a worker is the engine core's child, vllm/v1/executor/multiproc_executor.py), and the
+    process exits at once; the front end's wait sees the engine gone and says the reason.
+    """
+    frontend = os.environ.get(FRONTEND_PID_ENV)
+    note = os.environ.get(REFUSAL_NOTE_ENV)
+    if frontend is None or note is None or int(frontend) == os.getpid():
+        _say_refusal(message)  # no separate front end to tell (in-process engine)
+        raise SystemExit(2)
+    Path(note).write_text(message)
+    if worker and os.getppid() != int(frontend):
+        os.kill(os.getppid(), signal.SIGKILL)
+    os._exit(2)
 
 
 

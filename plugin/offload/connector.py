@@ -18,15 +18,18 @@ from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.logger import init_logger
 
+from kvops.plugin._compat import refuse_in_engine
+from kvops.plugin.errors import KvopsPluginError
 from kvops.plugin.offload.integrity import (
     BlockDigests,
     block_crc,
     block_keys,
     first_group_blocks,
 )
+from kvops.plugin.offload.preflight import SERVE_HINT, check_still_serving
 from kvops.plugin.offload.prom import OffloadPromMetrics
 from kvops.plugin.offload.stats import OffloadStats
-from kvops.plugin.offload.wiring import LOCAL_HOSTS
+from kvops.plugin.offload.wiring import KVOPS_EXTRA_KEY, LOCAL_HOSTS
 
 logger = init_logger("vllm.plugins.kvops.offload")
 
@@ -44,7 +47,17 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         self._kvops_bad_blocks: set[int] = set()
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self._kvops_server = extra.get("lmcache.mp.host", "?") + f":{extra.get('lmcache.mp.port')}"
-        super().__init__(vllm_config, role, kv_cache_config)
+        try:
+            check_still_serving(extra.get(KVOPS_EXTRA_KEY, {}))
+            super().__init__(vllm_config, role, kv_cache_config)
+        except (KvopsPluginError, ConnectionError, TimeoutError) as exc:
+            # LMCache died between the front end's preflight and this connect; LMCache would
+            # raise its own multi-line error with a traceback in each process (after mq_timeout).
+            refuse_in_engine(
+                f"LMCache server {self._kvops_server} passed the preflight but does not answer "
+                f"the engine's connect ({_first_line(exc)}): check its log and restart it "
+                f"({SERVE_HINT}), then start vLLM again", worker=role == KVConnectorRole.WORKER,
+            )
 
     # -- scheduler side ------------------------------------------------------------------------
 
@@ -210,6 +223,11 @@ def kv_bytes_per_token(kv_caches: dict[str, Any], block_size: int) -> float:
         num_blocks = tensor.shape[1] if tensor.shape[0] == 2 and tensor.dim() == 5 else tensor.shape[0]
         total += tensor.numel() * tensor.element_size() / (num_blocks * block_size)
     return total
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def digest_path(settings: dict[str, Any], vllm_config: Any) -> Path | None:

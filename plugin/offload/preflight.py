@@ -89,6 +89,20 @@ def fetch_server_config(settings: OffloadSettings) -> ServerConfig:
         ) from None
 
 
+def check_still_serving(settings: dict[str, Any]) -> None:
+    """In an engine process, just before LMCache's connector connects: the server the front
+    end's preflight found still answers its health check (seconds, not LMCache's mq_timeout)."""
+    if not settings:
+        return
+    http_url = f"http://{settings['host']}:{settings['http_port']}"
+    try:
+        health = _get_json(http_url + "/healthcheck", float(settings.get("timeout_s", 10.0)))
+    except (OSError, ValueError) as exc:
+        raise KvopsPluginError(f"{http_url}/healthcheck: {_reason(exc)}") from None
+    if health.get("status") != "healthy":
+        raise KvopsPluginError(f"{http_url}/healthcheck reports {health}")
+
+
 def _reason(exc: BaseException) -> str:
     reason = getattr(exc, "reason", None) or exc
     return " ".join(str(reason).split()) or type(exc).__name__
@@ -166,15 +180,17 @@ def check_disk_dir(path: str, cap_gib: float | None) -> None:
     directory = Path(path).expanduser()
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvops-probe-") as probe:
-            probe.write(b"kvops")
-            probe.flush()
-            os.fsync(probe.fileno())
     except OSError as exc:
         raise KvopsPluginError(
             f"kvops.offload.disk_path {str(directory)!r} is not writable ({exc.strerror or exc}): "
             "choose a writable directory on a local SSD"
         ) from None
+    problem = disk_write_problem(directory)
+    if problem is not None:
+        raise KvopsPluginError(
+            f"kvops.offload.disk_path {str(directory)!r} is not writable ({problem}): "
+            "choose a writable directory on a local SSD"
+        )
     if cap_gib is None:
         return
     usage = shutil.disk_usage(directory)
@@ -185,6 +201,22 @@ def check_disk_dir(path: str, cap_gib: float | None) -> None:
             f"{room_bytes / GIB:.2f} GiB free (including what the cache already holds): lower "
             "disk_gib or free space"
         )
+
+
+def disk_write_problem(directory: Path, probe_bytes: int = 4096) -> str | None:
+    """Why a small synced write into ``directory`` fails (its strerror), or None when it works.
+
+    The same probe serves the preflight and the watch while serving (prom.py): a full disk or a
+    read-only remount shows here as ENOSPC/EROFS, exactly what LMCache's own writes would get.
+    """
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvops-probe-") as probe:
+            probe.write(b"k" * probe_bytes)
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as exc:
+        return str(exc.strerror or exc)
+    return None
 
 
 def _tree_bytes(directory: Path) -> int:

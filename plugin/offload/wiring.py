@@ -6,6 +6,7 @@ starts, so a wrong setup stops ``vllm serve`` at once instead of after LMCache's
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from kvops.plugin.errors import KvopsPluginError
@@ -17,6 +18,8 @@ from kvops.plugin.offload.preflight import (
     fetch_server_config,
 )
 from kvops.plugin.offload.settings import OffloadSettings
+
+logger = logging.getLogger("vllm.plugins.kvops.offload")
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 KVOPS_EXTRA_KEY = "kvops.offload"
@@ -60,6 +63,11 @@ def configure(vllm_config: Any, settings: OffloadSettings) -> None:
         check_shm(getattr(vllm_config.cache_config, "kv_cache_memory_bytes", None))
     server = fetch_server_config(settings)
     check_server(settings, server, block_size)
+    logger.info("kvops offload: LMCache server %s passed the preflight (transfer mode %s, "
+                "chunk size %d)", settings.http_url, settings.transfer_mode, server.chunk_size)
+    from kvops.plugin._compat import arm_engine_refusal
+
+    arm_engine_refusal()  # LMCache can still die before the engine connects
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config
     derived: dict[str, Any] = {
         "lmcache.mp.host": f"tcp://{settings.host}",
