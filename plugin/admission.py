@@ -29,6 +29,7 @@ from kvops.plugin.admission_policy import (
     RequestShape,
     ReservationLedger,
     headroom_blocks,
+    spec_decode_lookahead_tokens,
 )
 from kvops.plugin.admission_settings import AdmissionSettings
 from kvops.plugin.settings import load_settings
@@ -72,6 +73,7 @@ class KVBudgetGate:
             block_size=scheduler.block_size,
             max_model_len=scheduler.max_model_len,
             headroom_blocks=headroom_blocks(usable, settings.headroom_fraction),
+            lookahead_tokens=spec_decode_lookahead_tokens(scheduler.num_lookahead_tokens),
         )
         self.policy = AdmissionPolicy(
             self.budget, settings.policy, settings.quantile, settings.min_samples

@@ -29,6 +29,15 @@ def blocks_for_tokens(tokens: int, block_size: int) -> int:
     return -(-max(tokens, 0) // block_size)
 
 
+def spec_decode_lookahead_tokens(num_lookahead_tokens: int) -> int:
+    """Extra KV slots per sequence with speculative decoding of k tokens
+    (``VllmConfig.num_lookahead_tokens``). In its last step a sequence holding prompt +
+    max_tokens - 1 tokens is scheduled with its k draft tokens (vLLM does not cut drafts at
+    max_tokens) and ``allocate_slots`` adds k lookahead slots on top, capped at max_model_len
+    (vllm/v1/core/kv_cache_manager.py:542-544): up to 2k beyond prompt + max_tokens."""
+    return 2 * max(num_lookahead_tokens, 0)
+
+
 @dataclass(frozen=True)
 class KVBudget:
     """The KV cache as admission sees it: blocks usable by requests, and their size."""
@@ -39,6 +48,9 @@ class KVBudget:
     max_model_len: int
     headroom_blocks: int = 0
     """Blocks kept free beyond every reservation, applied only while something runs."""
+    lookahead_tokens: int = 0
+    """KV slots a sequence may take past prompt + max_tokens with speculative decoding: see
+    ``spec_decode_lookahead_tokens``."""
 
     @property
     def usable_tokens(self) -> int:
@@ -123,11 +135,12 @@ class AdmissionPolicy:
     # -- per-sequence sizes ------------------------------------------------------------------
 
     def worst_tokens(self, shape: RequestShape) -> int:
-        """Tokens the sequence may reach: prompt + max_tokens, capped by max_model_len."""
+        """KV slots the sequence may take: prompt + max_tokens + the speculative lookahead,
+        capped by max_model_len."""
         limit = self.budget.max_model_len
         if shape.max_tokens is None:
             return limit
-        return min(shape.prompt_tokens + shape.max_tokens, limit)
+        return min(shape.prompt_tokens + shape.max_tokens + self.budget.lookahead_tokens, limit)
 
     def reserve_tokens(self, shape: RequestShape) -> int:
         """Tokens to reserve for the sequence under the active policy.
@@ -141,8 +154,9 @@ class AdmissionPolicy:
         if self.policy != "expected" or len(self.output_lengths) < self.min_samples:
             return worst
         estimate = self.output_lengths.value() or 0
-        current = shape.prompt_tokens + shape.output_tokens + 1
-        return min(worst, max(shape.prompt_tokens + estimate, current))
+        lookahead = self.budget.lookahead_tokens
+        current = shape.prompt_tokens + shape.output_tokens + 1 + lookahead
+        return min(worst, max(shape.prompt_tokens + estimate + lookahead, current))
 
     def reserve_blocks(self, shape: RequestShape) -> int:
         return blocks_for_tokens(self.reserve_tokens(shape), self.budget.block_size)

@@ -2,9 +2,10 @@
 
 One tiny model, one deliberately small KV cache (16 usable blocks of 128 tokens), two servers
 alive side by side with identical flags except the kvops settings (stock runs with
-VLLM_PLUGINS=none). Normal load (a closed loop inside capacity, alternating rounds so that drift
-in machine load hits both alike) gives the policy's cost on throughput; then each server gets the
-same overload: arrivals well above what the cache can decode at once, distinct 240-token prompts
+VLLM_PLUGINS=none). Normal load (short closed-loop rounds inside capacity in ABBA blocks, and the
+gate's cost per step measured directly: kvops.ops.bench.admission_normal) gives the policy's cost
+on throughput; then each server gets the same overload: arrivals well above what the cache can
+decode at once, distinct 240-token prompts
 (a preempted request recomputes a real prefill), fixed-length outputs, and a few requests that can
 never fit. Reported: preemptions from vLLM's own counter, every request's fate as the client saw
 it, TTFT of the successes, and goodput = successes within the TTFT SLO per second of the run.
@@ -17,12 +18,13 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvops.ops.bench.admission_load import Outcome, closed_loop, open_loop, scrape_counter
+from kvops.ops.bench import admission_normal
+from kvops.ops.bench.admission_load import Outcome, open_loop, scrape_counter
 from kvops.ops.launch import ManagedServer, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 
@@ -59,10 +61,6 @@ class Load:
         return [i / self.rate_rps for i in range(self.requests)]
 
 
-NORMAL_CONCURRENCY = 3  # 3 x 3 blocks (prompt + 100 tokens): inside 16 blocks, nothing waits
-NORMAL_PER_WORKER = 2
-NORMAL_ROUNDS = 3  # alternating stock/kvops rounds: drift in machine load hits both alike
-NORMAL_MAX_TOKENS = 100
 OVERLOAD_MAX_TOKENS = 100
 OVERLOAD_FACTOR = 4.0  # offered request rate / the rate stock sustains at normal load
 OVERLOAD_DURATION_S = 25.0
@@ -120,17 +118,14 @@ def measure(url: str, model: str, load: Load) -> dict[str, Any]:
     return summarize(outcomes, span, after - before)
 
 
-def normal_throughput(url: str, model: str) -> dict[str, Any]:
-    """Tokens/s with a closed loop inside capacity: what the policy costs when it refuses nothing."""
+def normal_body(model: str) -> Callable[[int], dict[str, Any]]:
+    """Request k of the normal load: a distinct prompt, fixed-length greedy output."""
 
     def body(k: int) -> dict[str, Any]:
-        return {"model": model, "prompt": f"request {k}: {PROMPT}", "max_tokens": NORMAL_MAX_TOKENS,
-                "temperature": 0, "ignore_eos": True}
+        return {"model": model, "prompt": f"request {k}: {PROMPT}",
+                "max_tokens": admission_normal.MAX_TOKENS, "temperature": 0, "ignore_eos": True}
 
-    outcomes, wall_s = closed_loop(url, body, NORMAL_CONCURRENCY, NORMAL_PER_WORKER)
-    ok = [o for o in outcomes if o.status == 200 and o.finished]
-    return {"ok": len(ok), "requests": len(outcomes), "wall_s": wall_s,
-            "tokens_per_s": sum(o.output_tokens for o in ok) / wall_s}
+    return body
 
 
 def start_server(name: str, model: Path, workdir: Path, settings: dict[str, Any] | None) -> ManagedServer:
@@ -167,42 +162,14 @@ def start_both(servers: Sequence[ManagedServer]) -> None:
 def measure_side_by_side(model: str, stock: ManagedServer, kvops: ManagedServer) -> dict[str, Any]:
     for server in (stock, kvops):
         measure(server.url, model, Load(requests=2, rate_rps=2.0, max_tokens=8))  # warm-up
-    normal: dict[str, list[float]] = {"stock": [], "kvops": []}
-    for _ in range(NORMAL_ROUNDS):
-        for name, server in (("stock", stock), ("kvops", kvops)):
-            normal[name].append(normal_throughput(server.url, model)["tokens_per_s"])
-    overload = overload_for(statistics.median(normal["stock"]))
+    normal = admission_normal.paired_rounds({"stock": stock.url, "kvops": kvops.url}, normal_body(model))
+    overload = overload_for(statistics.median(normal["tokens_per_s"]["stock"]))
     return {
-        "normal_tokens_per_s": normal,
+        "normal": normal,
         "overload": overload.__dict__,
         "stock": measure(stock.url, model, overload),
         "kvops": measure(kvops.url, model, overload),
     }
-
-
-def policy_cost_us_per_step(running: int = 256, repeats: int = 200) -> float:
-    """Microseconds the scheduler gate adds to one step with ``running`` sequences under
-    ``strict``: the reservation sum over the running batch (memoized per request, as
-    KVBudgetGate does) plus one admission decision. Measured in-process, so that machine noise
-    does not swamp a tiny cost."""
-    from operator import itemgetter
-
-    from kvops.plugin.admission_policy import (
-        AdmissionPolicy,
-        KVBudget,
-        RequestShape,
-        ReservationLedger,
-    )
-
-    policy = AdmissionPolicy(KVBudget(usable_blocks=65536, block_size=16, max_model_len=8192))
-    ledger = ReservationLedger(policy)
-    batch = [(f"req-{i}", RequestShape(500 + i, 300, i % 300)) for i in range(running)]
-    candidate = RequestShape(prompt_tokens=700, max_tokens=300)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        reserved = ledger.total_blocks(batch, itemgetter(0), itemgetter(1))
-        policy.admit(candidate, reserved, running)
-    return (time.perf_counter() - start) / repeats * 1e6
 
 
 def run() -> dict[str, Any]:
@@ -217,24 +184,24 @@ def run() -> dict[str, Any]:
         finally:
             for server in (stock, kvops):
                 server.stop()
-    normal = result["normal_tokens_per_s"]
+        # After the servers stopped: the in-process measurement needs the cores to itself.
+        cost = admission_normal.gate_cost(model, result["normal"]["engine"]["kvops"]["step_s"])
     stock_goodput = result["stock"]["goodput_rps"]
-    stock_normal = statistics.median(normal["stock"])
     return {
         "stock": result["stock"],
         "kvops": result["kvops"],
         "goodput_ratio": result["kvops"]["goodput_rps"] / stock_goodput if stock_goodput else None,
-        "normal_load_throughput_ratio": (
-            statistics.median(normal["kvops"]) / stock_normal if stock_normal else None
-        ),
-        "normal_load_tokens_per_s": normal,
-        "policy_cost_us_per_step_256_running": policy_cost_us_per_step(),
+        **admission_normal.normal_load_result(result["normal"], cost),
+        "policy_cost_us_per_step_256_running": cost["scheduler_256_running"]["added_us_per_step"],
         "setup": {
             "kv_blocks": KV_BLOCKS, "block_tokens": BLOCK_TOKENS, "max_model_len": MAX_MODEL_LEN,
             "ttft_slo_s": TTFT_SLO_S, "overload": result["overload"],
             "overload_factor": OVERLOAD_FACTOR,
-            "normal": {"concurrency": NORMAL_CONCURRENCY, "per_worker": NORMAL_PER_WORKER,
-                       "rounds": NORMAL_ROUNDS, "max_tokens": NORMAL_MAX_TOKENS},
+            "normal": {"concurrency": admission_normal.CONCURRENCY,
+                       "per_worker": admission_normal.PER_WORKER,
+                       "abba_blocks": admission_normal.BLOCKS,
+                       "max_tokens": admission_normal.MAX_TOKENS,
+                       "threshold": admission_normal.THRESHOLD},
             "kvops_settings": KVOPS_SETTINGS,
         },
     }

@@ -113,6 +113,11 @@ def open_loop(
 
 def scrape_counter(url: str, name: str) -> float:
     """Sum of a Prometheus counter/gauge's samples on a server's /metrics (0.0 when absent)."""
+    return scrape_sums(url, (name,))[name]
+
+
+def scrape_sums(url: str, names: Sequence[str]) -> dict[str, float]:
+    """``scrape_counter`` for several names from one read of /metrics."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=30)
     try:
@@ -120,11 +125,12 @@ def scrape_counter(url: str, name: str) -> float:
         text = conn.getresponse().read().decode()
     finally:
         conn.close()
-    total = 0.0
+    totals = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
-        if line.startswith(name) and (line[len(name)] in " {"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+        for name in names:
+            if line.startswith(name) and (line[len(name)] in " {"):
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
 
 
 def closed_loop(

@@ -30,6 +30,7 @@ from kvops.plugin.admission_policy import (
     ReservationLedger,
     blocks_for_tokens,
     queue_decision,
+    spec_decode_lookahead_tokens,
 )
 
 BLOCK = 16
@@ -322,3 +323,99 @@ def test_ledger_totals_equal_the_policy_sum(shapes, policy_name):
     for rid, _ in batch:
         ledger.forget(rid)
     assert ledger.total_blocks([], lambda item: item[0], lambda item: item[1]) == 0
+
+
+# -- speculative decoding: drafts and lookahead take KV slots past the sequence ----------------
+
+
+@dataclass
+class SpecEngine(Engine):
+    """The oracle engine with speculative decoding of ``k`` tokens, as vLLM allocates it: each
+    step a sequence is scheduled with its k drafts and ``allocate_slots`` adds k lookahead slots
+    (vllm/v1/core/kv_cache_manager.py:542-544), capped at max_model_len; rejected drafts leave
+    their blocks allocated. Drafts are accepted at random (seeded)."""
+
+    k: int = 0
+    seed: int = 0
+    held: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.rng = np.random.default_rng(self.seed)
+
+    def release(self, s: Seq) -> None:
+        self.free_blocks += blocks_for_tokens(max(self.held.pop(id(s), 0), s.tokens), BLOCK)
+        s.tokens = 0
+
+    def decode(self) -> None:
+        i = 0
+        while i < len(self.running):
+            s = self.running[i]
+            want = min(s.tokens + 1 + 2 * self.k, self.max_model_len)
+            held = max(self.held.get(id(s), 0), s.tokens)
+            extra = max(blocks_for_tokens(want, BLOCK) - blocks_for_tokens(held, BLOCK), 0)
+            while extra > self.free_blocks:
+                victim = self.running.pop()
+                self.release(victim)
+                victim.preemptions += 1
+                victim.state = "waiting"
+                self.preemptions += 1
+                self.waiting.insert(0, victim)
+                if victim is s:
+                    break
+            if s.state != "running":
+                continue
+            self.free_blocks -= extra
+            self.held[id(s)] = max(held, want)
+            grow = min(1 + int(self.rng.integers(0, self.k + 1)), self.target(s) - s.output)
+            s.tokens += grow
+            s.output += grow
+            if s.output >= self.target(s):
+                self.running.remove(s)
+                self.release(s)
+                s.state = "done"
+                self.finished += 1
+                continue
+            i += 1
+
+
+def run_spec(k: int, lookahead: int, usable: int, max_model_len: int, arrivals, seed: int = 0) -> SpecEngine:
+    budget = KVBudget(usable, BLOCK, max_model_len, lookahead_tokens=lookahead)
+    engine = SpecEngine(AdmissionPolicy(budget, "strict"), max_model_len, k=k, seed=seed)
+    for now in range(10_000):
+        for at, n, seqs in arrivals:
+            if at == now:
+                engine.arrive(seqs, n)
+        engine.step(now)
+        if not engine.waiting and not engine.running and now > max(at for at, _, _ in arrivals):
+            break
+    return engine
+
+
+def test_spec_decode_lookahead_is_twice_the_speculated_tokens():
+    assert spec_decode_lookahead_tokens(0) == 0
+    assert spec_decode_lookahead_tokens(4) == 8
+
+
+@settings(max_examples=100, deadline=None)
+@given(workloads(), st.integers(1, 6), st.integers(0, 1000))
+def test_strict_with_the_spec_lookahead_never_preempts_a_speculating_engine(workload, k, seed):
+    usable, max_model_len, arrivals = workload
+    engine = run_spec(k, spec_decode_lookahead_tokens(k), usable, max_model_len, arrivals, seed)
+    total = sum(len(seqs) for _, _, seqs in arrivals)
+    assert engine.preemptions == 0
+    assert not engine.waiting, "a request was left hanging"
+    assert not engine.running, "a request was left hanging"
+    assert engine.finished + engine.aborted + engine.rejected == total
+
+
+def test_without_the_lookahead_a_speculating_engine_preempts():
+    # Two sequences of 15 + 17 tokens reserve 2 blocks each: 4 of 4 usable. Speculating 4 tokens
+    # they reach 2 x 3 blocks, so one is preempted, unless the reservation counts the lookahead.
+    def arrivals():
+        return [(0, 1, [Seq(prompt=15, max_tokens=17, stop_at=17, abort_after=None, arrival=0)]) for _ in range(2)]
+
+    assert run_spec(4, 0, 4, 64, arrivals()).preemptions > 0
+    counted = run_spec(4, spec_decode_lookahead_tokens(4), 4, 64, arrivals())
+    assert counted.preemptions == 0
+    assert counted.finished == 2

@@ -124,3 +124,52 @@ def test_bad_tenant_budget_names_the_field():
     with pytest.raises(KvopsPluginError) as err:
         _load({"tenants": {"a": {"max_in_flight": 0}}})
     assert "admission.tenants.a.max_in_flight" in str(err.value)
+
+
+def test_queue_gauges_are_refreshed_once_per_interval_not_per_step(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvops.plugin.admission_policy import RequestShape
+
+    now = [100.0]
+    door = admission_http.FrontDoor(AdmissionSettings(), clock=lambda: now[0])
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(num_gpu_blocks=17, block_size=128),
+        model_config=SimpleNamespace(max_model_len=1024),
+    )
+    states = {"r0": SimpleNamespace(prompt_len=10, max_tokens_param=10, is_prefilling=False)}
+    door.check(config, [RequestShape(10, 10)], 1, states)
+    walks = []
+    monkeypatch.setattr(door, "queue_state", lambda policy, st: walks.append(now[0]))
+    step = (SimpleNamespace(kv_cache_usage=0.1), SimpleNamespace(finished_requests=[]))
+    for _ in range(50):  # 50 steps of 10 ms
+        door.on_step(*step)
+        now[0] += 0.01
+    assert walks == [100.0]
+    now[0] += admission_http.GAUGE_REFRESH_S
+    door.on_step(*step)
+    assert len(walks) == 2
+
+
+def test_front_door_reserves_the_spec_decode_lookahead():
+    from types import SimpleNamespace
+
+    from kvops.plugin.admission_policy import RequestShape
+
+    def config(lookahead: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            cache_config=SimpleNamespace(num_gpu_blocks=17, block_size=16),
+            model_config=SimpleNamespace(max_model_len=1024),
+            num_lookahead_tokens=lookahead,
+        )
+
+    # 16 usable blocks of 16 tokens = 256 KV tokens; a request of 100 + 150 tokens fits exactly
+    # without speculation, and not with 4 speculative tokens (+8 slots: 17 blocks).
+    shape = RequestShape(100, 150)
+    plain = admission_http.FrontDoor(AdmissionSettings()).check(config(0), [shape], 1, None)
+    assert plain is None
+    speculating = admission_http.FrontDoor(AdmissionSettings())
+    refused = speculating.check(config(4), [shape], 1, None)
+    assert speculating.policy_for(config(4)).budget.lookahead_tokens == 8
+    assert refused is not None
+    assert refused.status == 400

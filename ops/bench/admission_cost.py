@@ -1,0 +1,171 @@
+"""What the admission gate costs per engine step, measured on vLLM's real scheduler in-process.
+
+A throughput A/B between two servers on a shared 2-core machine cannot resolve a 2% effect (the
+machine's speed drifts by more than that between seconds). This part does not depend on the
+machine's speed: vLLM's own ``Scheduler`` and our ``KVBudgetScheduler`` are built in one process
+on the same config and driven through the same deterministic request stream (schedule, then
+``update_from_output`` with one sampled token per request, as the engine core does,
+vllm/v1/engine/core.py step), alternating runs so that drift hits both alike. The difference is
+what the gate adds to a step; the schedules are compared too, since a gate that refuses nothing
+must leave vLLM's decisions unchanged. Divided by a real server's step time, it bounds the
+throughput the gate can cost. The front door's per-step work in the API server
+(``FrontDoor.on_step``) is timed the same way.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+STRICT = {"kvops": {"admission": {"policy": "strict"}}}
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A closed loop: ``running`` requests in flight, each replaced by a new one when it ends."""
+
+    running: int
+    prompt_tokens: int
+    max_tokens: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    steps: int
+
+
+def _scheduler(scheduler_cls: str | None, model: Path, shape: StepShape, extra: dict[str, Any]) -> Any:
+    """A scheduler built the way the engine core builds it (vllm/v1/engine/core.py:
+    ``get_scheduler_cls()`` on the config, then the class with the KV cache config)."""
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    init_none_hash(sha256)
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model), max_model_len=shape.max_model_len,
+                                 skip_tokenizer_init=True),
+        scheduler_config=SchedulerConfig(
+            max_model_len=shape.max_model_len, is_encoder_decoder=False,
+            max_num_seqs=max(shape.running, 1), max_num_batched_tokens=8192,
+            scheduler_cls=scheduler_cls,
+        ),
+        cache_config=CacheConfig(block_size=shape.block_size),
+        additional_config=extra,
+    )
+    config.cache_config.num_gpu_blocks = shape.num_blocks
+    spec = FullAttentionSpec(block_size=shape.block_size, num_kv_heads=2, head_size=64,
+                             dtype=torch.bfloat16)
+    kv_config = KVCacheConfig(num_blocks=shape.num_blocks, kv_cache_tensors=[],
+                              kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    cls = config.scheduler_config.get_scheduler_cls()
+    return cls(vllm_config=config, kv_cache_config=kv_config,
+               structured_output_manager=StructuredOutputManager(config),
+               block_size=shape.block_size, log_stats=True)
+
+
+def _driver(shape: StepShape) -> Callable[[Any], tuple[float, list[tuple[str, int]]]]:
+    """Returns run(scheduler) -> (seconds in schedule + update_from_output, the schedule)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    hasher = get_request_block_hasher(shape.block_size, sha256)
+    params = SamplingParams(max_tokens=shape.max_tokens, ignore_eos=True, temperature=0)
+
+    def request(k: int) -> Request:
+        prompt = [(k * 7919 + i) % 1000 + 1 for i in range(shape.prompt_tokens)]
+        return Request(f"r{k}", prompt, params, None, block_hasher=hasher)
+
+    def run(scheduler: Any) -> tuple[float, list[tuple[str, int]]]:
+        issued = 0
+        for _ in range(shape.running):
+            scheduler.add_request(request(issued))
+            issued += 1
+        schedule: list[tuple[str, int]] = []
+        spent = 0.0
+        for _ in range(shape.steps):
+            start = time.perf_counter()
+            out = scheduler.schedule()
+            ids = list(out.num_scheduled_tokens)
+            runner = ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+                sampled_token_ids=[[7] for _ in ids],
+            )
+            finished = scheduler.update_from_output(out, runner)
+            spent += time.perf_counter() - start
+            schedule.extend(sorted(out.num_scheduled_tokens.items()))
+            done = sum(1 for o in finished.values() for x in o.outputs if x.finished)
+            for _ in range(done):
+                scheduler.add_request(request(issued))
+                issued += 1
+        return spent, schedule
+
+    return run
+
+
+def scheduler_step_cost(model: Path, shape: StepShape, repeats: int = 5) -> dict[str, Any]:
+    """Microseconds per step of vLLM's Scheduler and of KVBudgetScheduler on the same stream."""
+    from kvops.plugin.admission_settings import SCHEDULER_CLASSES
+
+    run = _driver(shape)
+    times: dict[str, list[float]] = {"stock": [], "kvops": []}
+    schedules: dict[str, list[tuple[str, int]]] = {}
+    kinds: tuple[tuple[str, str | None, dict[str, Any]], ...] = (
+        ("stock", None, {}), ("kvops", SCHEDULER_CLASSES[False], STRICT),
+    )
+    for r in range(repeats):
+        for name, cls, extra in kinds if r % 2 == 0 else kinds[::-1]:
+            spent, schedule = run(_scheduler(cls, model, shape, extra))
+            times[name].append(spent / shape.steps * 1e6)
+            schedules[name] = schedule
+    stock_us, kvops_us = statistics.median(times["stock"]), statistics.median(times["kvops"])
+    return {
+        "running": shape.running, "steps": shape.steps, "repeats": repeats,
+        "stock_us_per_step": stock_us, "kvops_us_per_step": kvops_us,
+        "added_us_per_step": kvops_us - stock_us,
+        "identical_schedule": schedules["stock"] == schedules["kvops"],
+        "scheduled_tokens": sum(n for _, n in schedules["kvops"]),
+    }
+
+
+def front_door_cost(running: int, repeats: int = 2000) -> dict[str, float]:
+    """Microseconds of the API server's admission work with ``running`` requests known to the
+    front end: ``on_step`` (every engine step) and the queue walk (every refresh interval, and
+    once per arriving request)."""
+    from kvops.plugin.admission_http import FrontDoor
+    from kvops.plugin.admission_policy import RequestShape
+    from kvops.plugin.admission_settings import AdmissionSettings
+
+    door = FrontDoor(AdmissionSettings.model_validate({}), clock=lambda: 0.0)  # a frozen clock: no refresh
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(num_gpu_blocks=65537, block_size=16),
+        model_config=SimpleNamespace(max_model_len=8192),
+    )
+    states = {
+        f"r{i}": SimpleNamespace(prompt_len=500, max_tokens_param=300, is_prefilling=i % 8 == 0)
+        for i in range(running)
+    }
+    door.check(config, [RequestShape(10, 10)], 1, states)
+    scheduler_stats = SimpleNamespace(kv_cache_usage=0.5)
+    iteration = SimpleNamespace(finished_requests=[])
+    door.on_step(scheduler_stats, iteration)  # the first call refreshes the gauges
+    start = time.perf_counter()
+    for _ in range(repeats):
+        door.on_step(scheduler_stats, iteration)
+    on_step_us = (time.perf_counter() - start) / repeats * 1e6
+    policy = door.policy_for(config)
+    start = time.perf_counter()
+    for _ in range(repeats // 10):
+        door.queue_state(policy, states.values())
+    walk_us = (time.perf_counter() - start) / (repeats // 10) * 1e6
+    return {"running": running, "on_step_us": on_step_us, "queue_walk_us": walk_us}
