@@ -14,7 +14,7 @@ from typing import Any
 from kvops.loadtest.analysis import kv, prefix, ttft
 from kvops.loadtest.analysis.stats import mean, percentile
 from kvops.loadtest.analysis.tokens import ServerTokenizer
-from kvops.loadtest.metrics import MetricsSample, hist_mean
+from kvops.loadtest.metrics import MetricsSample, delta, hist_mean
 from kvops.loadtest.records import RequestRecord, write_jsonl
 from kvops.loadtest.scenarios.config import (
     KvExhaustionConfig,
@@ -40,26 +40,48 @@ class Run:
     out_dir: Path
     baseline: Path | None = None
     processes: int = 1
+    expect: Path | None = None
 
 
 def client_summary(records: list[RequestRecord], samples: list[MetricsSample]) -> dict[str, Any]:
+    """Client totals, with our TTFT set beside the server's histogram mean over the run.
+
+    Two client clocks: ``ttft`` stops at the first event with text (what a user sees);
+    ``first_event`` at the first event with choices, even if its text is empty, which is the
+    server's and ``vllm bench serve``'s definition (vllm/benchmarks/lib/endpoint_request_func.py
+    "text could be empty here"). They differ when the detokenizer holds the first tokens' text
+    back (a partial UTF-8 byte of a byte-level BPE, common for random tiny models), by about
+    that many ITLs; ``ttft_after_first_event_ms_mean`` reports it.
+    """
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    # the server times every request that got a first token, also those the run's end cut off
+    firsts = [r.first_event_s for r in records if r.first_event_s is not None]
     server = hist_mean(samples[0], samples[-1], "ttft") if len(samples) >= 2 else None
-    client_mean = mean(ttfts)
+    server_count = delta(samples[0], samples[-1], "ttft_count") if len(samples) >= 2 else None
+    client_mean, first_mean = mean(ttfts), mean(firsts)
+    held = [r.ttft_s - r.first_event_s for r in ok if r.ttft_s is not None and r.first_event_s is not None]
     return {
         "requests": len(records), "ok": len(ok),
         "errors": sum(1 for r in records if not r.ok and not r.stopped),
         "stopped_in_flight": sum(1 for r in records if r.stopped),
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
         "ttft_mean_s": client_mean, "server_ttft_mean_s": server,
-        "ttft_client_minus_server_ms": round((client_mean - server) * 1000, 2)
-        if client_mean is not None and server is not None else None,
+        "ttft_client_minus_server_ms": _diff_ms(client_mean, server),
+        "server_ttft_count": server_count, "first_event_count": len(firsts),
+        "first_event_mean_s": first_mean, "first_event_p50_s": percentile(firsts, 50),
+        "first_event_client_minus_server_ms": _diff_ms(first_mean, server),
+        "ttft_after_first_event_ms_mean": _diff_ms(mean(held), 0.0),
+        "first_event_without_text": sum(1 for h in held if h > 0),
         "e2e_p50_s": percentile([r.e2e_s for r in ok if r.e2e_s is not None], 50),
         "completion_tokens": sum(r.completion_tokens or 0 for r in ok),
         "token_count_mismatches": sum(1 for r in ok if r.token_count_mismatch),
         "workers": sorted({r.worker for r in records}),
     }
+
+
+def _diff_ms(a: float | None, b: float | None) -> float | None:
+    return round((a - b) * 1000, 2) if a is not None and b is not None else None
 
 
 def load_baseline(path: Path) -> dict[str, Any]:
@@ -80,7 +102,8 @@ def analyse(run: Run) -> tuple[dict[str, Any], list[Verdict], int]:
     """Scenario-specific section of the result, its verdicts and the exit code."""
     cfg, duration = run.config, run.ended_at - run.started_at
     if isinstance(cfg, KvExhaustionConfig):
-        steps, verdicts = kv.analyse(cfg, run.records, run.samples, run.started_at)
+        expected = kv.load_expectation(run.expect) if run.expect else None
+        steps, verdicts = kv.analyse(cfg, run.records, run.samples, run.started_at, expected)
         return {"steps": kv.steps_table(steps)}, verdicts, EXIT_OK
     if isinstance(cfg, PrefixMissConfig):
         summary, verdicts = prefix.analyse(run.records, run.samples,

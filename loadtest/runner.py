@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvops.loadtest.analysis.kv import load_expectation
 from kvops.loadtest.analysis.tokens import served_model
 from kvops.loadtest.finalize import load_baseline
 from kvops.loadtest.scenarios.config import HERE, SCENARIOS, KvExhaustionConfig, load_config
 from kvops.loadtest.scenarios.workloads import load_dataset
-from kvops.ops.errors import KvopsError
+from kvops.ops.errors import BadInputError, KvopsError
 from kvops.ops.launch import free_port, log_tail
 
 
@@ -33,6 +34,8 @@ class LoadtestRequest:
     baseline: Path | None = None
     scenario_file: Path | None = None
     workers: int = 0
+    expect: Path | None = None
+    """kv-exhaustion: `kvops plan --json` / `kvops kv-capacity --json` to set the knee beside."""
 
 
 def locustfile(scenario: str) -> Path:
@@ -47,6 +50,10 @@ def validate(req: LoadtestRequest) -> float:
         load_dataset(req.dataset)
     if req.baseline is not None:
         load_baseline(req.baseline)
+    if req.expect is not None:
+        if req.scenario != "kv-exhaustion":
+            raise BadInputError(f"--expect applies to kv-exhaustion only, not {req.scenario}")
+        load_expectation(req.expect)
     if isinstance(config, KvExhaustionConfig):
         return float(len(config.steps) * config.step_s)
     return float(config.duration_s)
@@ -56,7 +63,8 @@ def _kvops_args(req: LoadtestRequest) -> list[str]:
     args = ["--kvops-out", str(req.out_dir), "--kvops-processes", str(max(1, req.workers))]
     for flag, value in (("--kvops-config", req.scenario_file), ("--kvops-users", req.users),
                         ("--kvops-rate", req.rate), ("--kvops-duration", req.duration_s),
-                        ("--kvops-dataset", req.dataset), ("--kvops-baseline", req.baseline)):
+                        ("--kvops-dataset", req.dataset), ("--kvops-baseline", req.baseline),
+                        ("--kvops-expect", req.expect)):
         if value is not None:
             args += [flag, str(value)]
     return args

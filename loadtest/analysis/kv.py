@@ -9,8 +9,10 @@ plain compute); failing when requests error.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from kvops.loadtest.analysis.stats import mean, percentile
@@ -18,6 +20,7 @@ from kvops.loadtest.metrics import MetricsSample, cache_int, delta, window
 from kvops.loadtest.records import RequestRecord
 from kvops.loadtest.scenarios.config import KvExhaustionConfig
 from kvops.ops.diagnose import Verdict, healthy
+from kvops.ops.errors import BadInputError
 
 OK, KV_BOUND, SEQ_BOUND, COMPUTE_BOUND, FAILING = (
     "ok", "kv-capacity", "max-num-seqs", "compute-bound", "failing")
@@ -99,8 +102,58 @@ def predicted_concurrency(sample: MetricsSample | None, tokens_per_request: floa
             "predicted_max_concurrency": (blocks - 1) // per_request}
 
 
+def load_expectation(path: Path) -> dict[str, Any]:
+    """The capacity part of ``kvops plan --json`` or ``kvops kv-capacity --json`` output."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInputError(f"--expect {path}: cannot read it as JSON ({exc})") from None
+    capacity = doc.get("capacity") if isinstance(doc, dict) else None
+    expected = capacity if isinstance(capacity, dict) else doc
+    if not isinstance(expected, dict) or not all(
+            isinstance(expected.get(k), int) and expected[k] > 0 for k in ("num_blocks", "block_size")):
+        raise BadInputError(f"--expect {path}: not a plan; pass the JSON of `kvops plan --json` or "
+                            "`kvops kv-capacity --json` for this server")
+    out = dict(expected)
+    if isinstance(doc.get("max_num_seqs"), int):
+        out["max_num_seqs"] = doc["max_num_seqs"]
+    return out
+
+
+def _group_blocks(group: dict[str, Any], tokens: int, size: int) -> int:
+    """Blocks one request of ``tokens`` holds in a KV group, by the rules of
+    kvops.ops.capacity.allocator.Spec.blocks_per_request (whose value at max_model_len the
+    document carries as the group's ceiling): a sliding window keeps one block more than it
+    covers, a mamba group a fixed number."""
+    need = math.ceil(tokens / int(group.get("block_size") or size))
+    kind, ceiling = group.get("kind", "full"), group.get("blocks_per_request")
+    if not isinstance(ceiling, int) or ceiling <= 0:
+        return need
+    if kind == "mamba":
+        return ceiling
+    return min(need + 1 if kind == "sliding" else need, ceiling)
+
+
+def planned_concurrency(expected: dict[str, Any], tokens_per_request: float) -> dict[str, Any]:
+    """What the planner predicts for requests of this length: their blocks summed over the KV
+    groups, out of num_blocks − 1 usable ones (block 0 is vLLM's null block), as
+    kvops.ops.capacity.plan.derive_max_num_seqs counts them."""
+    if tokens_per_request <= 0:
+        return {}
+    size = int(expected["block_size"])
+    groups = expected.get("groups") or [{"kind": "full", "block_size": size}]
+    per_request = sum(_group_blocks(g, math.ceil(tokens_per_request), size) for g in groups)
+    out = {"plan_num_blocks": expected["num_blocks"], "plan_block_size": size,
+           "plan_blocks_per_request": per_request,
+           "plan_predicted_max_concurrency": (int(expected["num_blocks"]) - 1) // max(per_request, 1)}
+    if "max_num_seqs" in expected:
+        out["plan_max_num_seqs"] = expected["max_num_seqs"]
+    return out
+
+
 def analyse(config: KvExhaustionConfig, records: list[RequestRecord], samples: list[MetricsSample],
-            started_at: float) -> tuple[list[StepResult], list[Verdict]]:
+            started_at: float, expected: dict[str, Any] | None = None,
+            ) -> tuple[list[StepResult], list[Verdict]]:
     steps: list[StepResult] = []
     for i, (users, start, end) in enumerate(step_bounds(config, started_at)):
         step = measure_step(i, users, start, end, config, records, samples)
@@ -108,6 +161,10 @@ def analyse(config: KvExhaustionConfig, records: list[RequestRecord], samples: l
         steps.append(step)
     prompt = mean([float(r.prompt_tokens) for r in records if r.prompt_tokens]) or 0.0
     plan = predicted_concurrency(samples[-1] if samples else None, prompt + config.workload.max_tokens)
+    if expected is not None:
+        plan.update(planned_concurrency(expected, prompt + config.workload.max_tokens))
+        if "num_gpu_blocks" in plan:
+            plan["plan_matches_server_blocks"] = plan["plan_num_blocks"] == plan["num_gpu_blocks"]
     knee = next((s for s in steps if s.classification != OK), None)
     ok_steps = [s for s in steps if s.classification == OK and (knee is None or s.index < knee.index)]
     evidence: dict[str, Any] = {
@@ -126,6 +183,12 @@ def analyse(config: KvExhaustionConfig, records: list[RequestRecord], samples: l
         evidence["knee_vs_prediction"] = (
             f"knee at {knee.users} users; the KV cache holds {plan['predicted_max_concurrency']} "
             f"requests of {plan['tokens_per_request']} tokens")
+    if "plan_predicted_max_concurrency" in plan:
+        seqs = plan.get("plan_max_num_seqs")
+        evidence["knee_vs_plan"] = (
+            f"knee at {knee.users} users; the plan predicts {plan['plan_predicted_max_concurrency']} "
+            f"requests of this length fit in its {plan['plan_num_blocks']} blocks"
+            + (f" and sets max_num_seqs {seqs}" if seqs is not None else ""))
     return steps, [Verdict("kv-exhaustion", knee.classification, evidence, _next(knee.classification))]
 
 

@@ -33,6 +33,7 @@ def finish(environment: Environment) -> None:
             ended_at=ended, records=sorted(store.records, key=lambda r: r.sent_at),
             samples=scraper.samples, out_dir=out,
             baseline=Path(opts.kvops_baseline) if opts.kvops_baseline else None,
+            expect=Path(opts.kvops_expect) if getattr(opts, "kvops_expect", "") else None,
             processes=max(1, int(opts.kvops_processes)),
         )
         result, code = finalize(run)

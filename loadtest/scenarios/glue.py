@@ -32,6 +32,7 @@ def add_arguments(parser: Any) -> None:
     group.add_argument("--kvops-duration", type=float, default=0.0, help="run length, s")
     group.add_argument("--kvops-dataset", default="", help="JSONL of request bodies to replay")
     group.add_argument("--kvops-baseline", default="", help="ttft-regression result to compare with")
+    group.add_argument("--kvops-expect", default="", help="kv-exhaustion: plan/kv-capacity JSON")
     group.add_argument("--kvops-out", default="", help="report folder")
     group.add_argument("--kvops-processes", type=int, default=1, help="load-generating processes")
 

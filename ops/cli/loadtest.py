@@ -28,6 +28,8 @@ def loadtest(
     baseline: Annotated[Path | None, typer.Option(help="ttft-regression result JSON to compare.")] = None,
     scenario_file: Annotated[Path | None, typer.Option(help="Scenario YAML replacing the default.")] = None,
     workers: Annotated[int, typer.Option(help="Run distributed: a master and this many workers.")] = 0,
+    expect: Annotated[Path | None, typer.Option(
+        help="kv-exhaustion: JSON of `kvops plan --json` or `kvops kv-capacity --json` for this server.")] = None,
     out: Annotated[Path | None, typer.Option(help="Report folder.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary only.")] = False,
 ) -> None:
@@ -39,7 +41,8 @@ def loadtest(
     out_dir = out or Path("kvops-loadtest") / f"{scenario}-{int(time.time())}"
     result = run(LoadtestRequest(
         scenario=scenario, url=url, out_dir=out_dir, duration_s=duration, users=users, rate=rate,
-        dataset=dataset, baseline=baseline, scenario_file=scenario_file, workers=workers))
+        dataset=dataset, baseline=baseline, scenario_file=scenario_file, workers=workers,
+        expect=expect))
     summary = {"scenario": result["scenario"], "verdicts": result["verdicts"],
                "report_json": result["files"]["json"], "report_html": result["files"]["html"],
                "report_png": result["files"]["png"], "exit_code": result["exit_code"]}

@@ -111,3 +111,22 @@ def test_requests_without_a_first_token_at_the_end_count_with_their_wait():
                             stopped=True)
     samples = ttft.client_samples([_rec(0.0, ttft_s=0.2), waiting])
     assert sorted(samples["ttft_s"]) == [0.2, 7.0]
+
+
+def test_client_summary_sets_first_event_and_first_text_beside_the_server():
+    from kvops.loadtest.finalize import client_summary
+
+    # the server timed 3 first tokens (Δsum 0.060 s): the two finished requests and the one
+    # the run's end cut off after its first event; the second request's first event had no text
+    recs = [_rec(0.0, ttft_s=0.020, first_event_s=0.020),
+            _rec(1.0, ttft_s=0.050, first_event_s=0.020),
+            RequestRecord(request_id="cut", kind="completions", sent_at=2.0, first_event_s=0.026,
+                          stopped=True)]
+    before = MetricsSample(t=0, values={"ttft_sum": 1.0, "ttft_count": 10})
+    after = MetricsSample(t=3, values={"ttft_sum": 1.060, "ttft_count": 13})
+    out = client_summary(recs, [before, after])
+    assert out["server_ttft_count"] == 3 == out["first_event_count"]
+    assert out["first_event_client_minus_server_ms"] == pytest.approx(2.0)  # 22 ms vs 20 ms
+    assert out["ttft_client_minus_server_ms"] == pytest.approx(15.0)  # 35 ms vs 20 ms
+    assert out["ttft_after_first_event_ms_mean"] == pytest.approx(15.0)
+    assert out["first_event_without_text"] == 1

@@ -79,3 +79,17 @@ def test_unreachable_server_fails_in_one_line_before_locust_starts(tmp_path):
     assert res.exit_code == 1
     assert "cannot list models at http://127.0.0.1:9/v1/models" in res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_expect_must_be_a_plan_and_only_for_kv_exhaustion(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text('{"num_blocks": "many"}')
+    res = _run("loadtest", "kv-exhaustion", "--url", URL, "--expect", str(path))
+    assert res.exit_code == 2
+    assert str(path) in res.output
+    assert "kvops plan --json" in res.output
+    assert "Traceback" not in res.output
+    path.write_text('{"num_blocks": 12, "block_size": 128}')
+    res = _run("loadtest", "prefix-miss", "--url", URL, "--expect", str(path))
+    assert res.exit_code == 2
+    assert "kv-exhaustion only" in res.output
