@@ -11,11 +11,13 @@ from __future__ import annotations
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from lmcache.integration.vllm.lmcache_mp_metrics import LMCacheMPPromMetrics
 
 from kvops.plugin.metrics import gauge
+from kvops.plugin.offload.diskwatch import DiskWatch
 from kvops.plugin.offload.stats import COUNTERS, DEGRADED, ERRORS
 
 SERVER_POLL_S = 5.0
@@ -72,8 +74,9 @@ class OffloadPromMetrics(LMCacheMPPromMetrics):
         for engine_idx in per_engine_labelvalues:
             self._degraded[engine_idx].set(0)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        url = "http://{host}:{http_port}/metrics".format(**extra["kvops.offload"])
-        _ServerPoller(url).start()
+        settings = extra["kvops.offload"]
+        url = "http://{host}:{http_port}/metrics".format(**settings)
+        _ServerPoller(url, local_disk_path(settings)).start()
 
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
@@ -97,17 +100,34 @@ class OffloadPromMetrics(LMCacheMPPromMetrics):
             self._errors.labels(*labels, kind).inc(count)
 
 
-class _ServerPoller(threading.Thread):
-    """Mirrors a few LMCache server metrics into gauges; never blocks vLLM's stat loop."""
+def local_disk_path(settings: dict[str, Any]) -> Path | None:
+    """The disk tier's directory when it is on this machine (a remote one is not ours to probe)."""
+    from kvops.plugin.offload.wiring import LOCAL_HOSTS
 
-    def __init__(self, url: str) -> None:
+    disk = settings.get("disk_path")
+    if not disk or settings.get("host") not in LOCAL_HOSTS:
+        return None
+    return Path(disk).expanduser().resolve()
+
+
+class _ServerPoller(threading.Thread):
+    """Mirrors a few LMCache server metrics into gauges and watches the local disk tier; never
+    blocks vLLM's stat loop."""
+
+    def __init__(self, url: str, disk_path: Path | None) -> None:
         super().__init__(name="kvops-offload-poll", daemon=True)
         self.url = url
         self.up = gauge("kvops_offload_server_up", "1 when the LMCache server answered the last poll")
+        self.disk = None if disk_path is None else DiskWatch(disk_path, gauge(
+            "kvops_offload_disk_degraded",
+            "1 while the local disk tier refuses writes (full or read-only): LMCache stores fail",
+        ))
 
     def run(self) -> None:
         while True:
             self.poll_once()
+            if self.disk is not None:
+                self.disk.check()
             time.sleep(SERVER_POLL_S)
 
     def poll_once(self) -> None:

@@ -66,12 +66,12 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 120) -> No
 class Lmcache:
     """`kvops offload serve` with one kvops.yaml; restartable on the same ports and directory."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, **overrides: object) -> None:
         self.root = root
         self.disk = root / "l2"
         self.settings = {
             "port": free_port(), "http_port": free_port(), "l1_gib": 0.25,
-            "disk_path": str(self.disk), "disk_gib": DISK_GIB, "heartbeat_s": 1.0,
+            "disk_path": str(self.disk), "disk_gib": DISK_GIB, "heartbeat_s": 1.0, **overrides,
         }
         self.config = root / "kvops.yaml"
         self.config.write_text(json.dumps({"offload": self.settings}))
