@@ -125,6 +125,12 @@ def _offload_verdicts(last: Any) -> list[Verdict]:
             "offload", "degraded", evidence,
             "the connector runs degraded (recomputing instead of loading): check the vLLM log for "
             f"kvops offload errors and `kvops offload status` ({RUNBOOKS}offload.md)")]
+    disk = last.values.get("kvops_offload_disk_degraded")
+    if disk is not None and disk > 0:
+        return [Verdict(
+            "offload", "degraded", {**evidence, "kvops_offload_disk_degraded": disk},
+            "the disk tier refuses writes (full or read-only; the vLLM log's `kvops offload DISK "
+            f"DEGRADED` line says which): free space or remount it read-write ({RUNBOOKS}offload.md)")]
     return []
 
 

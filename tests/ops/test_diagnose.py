@@ -90,5 +90,18 @@ def test_offload_verdicts_from_the_plugin_gauges(up, degraded, expected):
     assert _causes(diagnose_samples(first, last)) == expected
 
 
+def test_a_disk_tier_that_refuses_writes_is_an_offload_degraded_verdict():
+    from kvops.loadtest.metrics import parse_metrics
+
+    page = OFFLOAD_METRICS.format(up=1, degraded=0) + "# TYPE kvops_offload_disk_degraded gauge\n"
+    first = parse_metrics(page + "kvops_offload_disk_degraded 0\n", t=0.0)
+    last = parse_metrics(page + "kvops_offload_disk_degraded 1\n", t=5.0)
+    [verdict] = diagnose_samples(first, last)
+    assert (verdict.problem, verdict.cause) == ("offload", "degraded")
+    assert verdict.evidence["kvops_offload_disk_degraded"] == 1
+    assert "disk tier refuses writes" in verdict.next
+    assert _causes(diagnose_samples(first, first)) == [("healthy", "none")]
+
+
 def test_no_offload_gauges_no_offload_verdict():
     assert all(v.problem != "offload" for v in diagnose_samples(*_pair()))
