@@ -62,18 +62,23 @@ class Spec:
     bytes_per_token: int = 0
     window: int | None = None
     checkpoint_blocks: int = 0
+    speculative_blocks: int = 0
+    extra_retained_tokens: int = 0
 
     def blocks_per_request(self, flags: SizingFlags) -> int:
         """cdiv(max_memory_usage_bytes, page_size_bytes) for this spec (kv_cache_interface.py)."""
         mml, bs = flags.max_model_len, self.block_size
         if self.kind == "sliding":
             assert self.window is not None
-            return cdiv(min(self.window - 1 + flags.max_in_flight_tokens, mml), bs) + 1
+            held = self.window - 1 + self.extra_retained_tokens + flags.max_in_flight_tokens
+            return cdiv(min(held, mml), bs) + 1
         if self.kind == "chunked":
             assert self.window is not None
             return cdiv(min(self.window + flags.max_in_flight_tokens, mml), bs)
         if self.kind == "mamba":
-            return 2 + self.checkpoint_blocks if flags.mamba_cache_mode == "align" else 1
+            if flags.mamba_cache_mode == "align":
+                return 2 + self.speculative_blocks + self.checkpoint_blocks
+            return 1 + self.speculative_blocks
         return cdiv(mml, bs)
 
 
@@ -174,8 +179,9 @@ def _sparse_mla_block_size(flags: SizingFlags) -> int:
 def _layer_spec(layer: LayerKV, bs: int, mamba_padded: int | None) -> Spec:
     if layer.kind == "mamba":
         return Spec("mamba", bs, mamba_padded or layer.state_bytes,
-                    checkpoint_blocks=layer.checkpoint_blocks)
-    return Spec(layer.kind, bs, bs * layer.bytes_per_token, layer.bytes_per_token, layer.window)
+                    checkpoint_blocks=layer.checkpoint_blocks, speculative_blocks=layer.speculative_blocks)
+    return Spec(layer.kind, bs, bs * layer.bytes_per_token, layer.bytes_per_token, layer.window,
+                extra_retained_tokens=layer.extra_retained_tokens)
 
 
 def _unify_pages(specs: list[Spec]) -> list[Spec]:

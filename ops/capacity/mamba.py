@@ -38,9 +38,10 @@ def _ssm_bytes(cfg: Mapping[str, Any], model_dtype: str, override: str | None) -
 
 
 def mamba_layer_bytes(
-    cfg: Mapping[str, Any], kind: str, tp: int, model_dtype: str, ssm_dtype: str | None
+    cfg: Mapping[str, Any], kind: str, tp: int, model_dtype: str, ssm_dtype: str | None, num_spec: int = 0
 ) -> int:
-    """Unpadded page of one mamba layer: Σ prod(shape) × dtype bytes over (conv, ssm)."""
+    """Unpadded page of one mamba layer: Σ prod(shape) × dtype bytes over (conv, ssm); the conv state
+    keeps ``num_spec`` more columns with speculative decoding (``conv_kernel − 1 + num_spec``)."""
     conv_bytes = int(MODEL_DTYPE_BYTES[model_dtype])
     ssm_bytes = _ssm_bytes(cfg, model_dtype, ssm_dtype)
     if kind == "gdn":
@@ -48,7 +49,7 @@ def mamba_layer_bytes(
         k_dim, v_dim = _get(cfg, "linear_key_head_dim"), _get(cfg, "linear_value_head_dim")
         kernel = _get(cfg, "linear_conv_kernel_dim")
         conv_dim = _divide(k_dim * k_heads * 2 + v_dim * v_heads, tp, "the GDN conv dim")
-        conv = conv_dim * (kernel - 1)
+        conv = conv_dim * (kernel - 1 + num_spec)
         ssm = _divide(v_heads, tp, "linear_num_value_heads") * v_dim * k_dim
         return conv * conv_bytes + ssm * ssm_bytes
     heads, head_dim = _get(cfg, "mamba_num_heads"), _get(cfg, "mamba_head_dim")
@@ -57,6 +58,6 @@ def mamba_layer_bytes(
     if groups % tp:  # groups are replicated so every head shard has its group
         groups += tp - groups
     conv_dim = _divide(heads * head_dim + 2 * groups * state, tp, "the Mamba2 conv dim")
-    conv = conv_dim * (kernel - 1)
+    conv = conv_dim * (kernel - 1 + num_spec)
     ssm = _divide(heads, tp, "mamba_num_heads") * head_dim * state
     return conv * conv_bytes + ssm * ssm_bytes

@@ -29,6 +29,7 @@ from kvops.ops.capacity.indexer import (
     sparse_mla_row_bytes,
 )
 from kvops.ops.capacity.layers import layer_kinds
+from kvops.ops.capacity.speculative import speculation
 from kvops.ops.errors import BadInputError
 
 LayerKind = Literal["full", "sliding", "chunked", "mla", "mamba"]
@@ -47,6 +48,8 @@ class LayerKV:
     state_bytes: int = 0  # mamba: Σ conv/ssm state bytes (one page before padding)
     checkpoint_blocks: int = 0  # Mamba2 keeps one prefill checkpoint block in align mode
     role: str = "kv"  # "indexer": a sparse-MLA layer's lightning-indexer cache (indexer.py)
+    speculative_blocks: int = 0  # mamba: K state blocks per request for K speculative tokens
+    extra_retained_tokens: int = 0  # sliding: tokens kept below the window for multi-module MTP
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class ModelKV:
     num_decoder_layers: int = 0  # what pipeline parallelism splits (distributed/utils.py get_pp_indices)
     draft_layers: int = 0  # drafter (MTP/EAGLE) attention layers after the target's, on the last PP stage
     sparse_mla: bool = False  # DeepSeek-V3.2 index_topk: 64-token blocks, CUDA only (indexer.py)
+    num_speculative_tokens: int = 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -167,13 +171,17 @@ def read_model(
     dtype: str | None = None,
     mamba_ssm_dtype: str | None = None,
     draft_layers: int = 0,
+    num_speculative_tokens: int = 0,
+    speculative_method: str | None = None,
 ) -> ModelKV:
     """Per-rank layer specs exactly as vLLM 0.32 builds them for this config and these flags.
 
     ``draft_layers`` adds the drafter's attention layers (MTP: ``num_nextn_predict_layers``;
     EAGLE: usually 1), each with the target's full-attention (or MLA) spec: vLLM registers them
     after the target's layers and groups them with the rest (v1/core/kv_cache_utils.py:2029-2119).
+    ``num_speculative_tokens``/``speculative_method`` size mamba and sliding layers (speculative.py).
     """
+    spec = speculation(num_speculative_tokens, speculative_method, draft_layers)
     if tp < 1:
         raise BadInputError(f"--tensor-parallel-size must be >= 1, got {tp}")
     cfg = text_config(raw)
@@ -209,16 +217,18 @@ def read_model(
         if kind is None:
             continue
         if kind in ("mamba2", "gdn"):
-            state = mamba_layer_bytes(cfg, kind, tp, mdtype, mamba_ssm_dtype)
-            layers.append(LayerKV(index, "mamba", state_bytes=state,
-                                  checkpoint_blocks=1 if kind == "mamba2" else 0))
+            state = mamba_layer_bytes(cfg, kind, tp, mdtype, mamba_ssm_dtype, spec.num_speculative_tokens)
+            layers.append(LayerKV(index, "mamba", state_bytes=state, checkpoint_blocks=1 if kind == "mamba2" else 0,
+                                  speculative_blocks=spec.num_speculative_tokens))
         elif use_mla:
             layers.append(LayerKV(index, "mla", bytes_per_token=per_token))
             if sparse and has_indexer(cfg, index):
                 layers.append(LayerKV(index, "mla", bytes_per_token=index_bytes, role="indexer"))
         else:
             own = per_token if per_layer is None else per_layer[index]
-            layers.append(LayerKV(index, cast(LayerKind, kind), bytes_per_token=own, window=window))
+            extra = spec.sliding_extra_retained_tokens if kind == "sliding" else 0
+            layers.append(LayerKV(index, cast(LayerKind, kind), bytes_per_token=own, window=window,
+                                  extra_retained_tokens=extra))
     if not layers:
         raise BadInputError(f"{arch}: no layer with a KV cache found; check num_hidden_layers")
     layers += _draft_layers(layers, draft_layers, len(kinds), index_bytes)
@@ -230,6 +240,7 @@ def read_model(
         attn_bytes_per_token_1=per_token,
         max_position_embeddings=max_pos if isinstance(max_pos, int) else None,
         num_decoder_layers=len(kinds), draft_layers=draft_layers, sparse_mla=sparse,
+        num_speculative_tokens=spec.num_speculative_tokens,
     )
 
 
@@ -251,9 +262,10 @@ def _draft_layers(layers: list[LayerKV], count: int, first_index: int, index_byt
         raise BadInputError(f"--draft-layers must be >= 0, got {count}")
     if not count:
         return []
-    if any(layer.kind == "mamba" for layer in layers):
-        # Mamba specs also reserve num_speculative_blocks per request; not modelled yet.
-        raise BadInputError("--draft-layers on mamba/GDN hybrids is not supported by the planner yet")
+    if any(layer.kind == "mamba" and not layer.speculative_blocks for layer in layers):
+        # Mamba specs keep num_speculative_blocks per request and wider conv states (speculative.py).
+        raise BadInputError("--draft-layers on a mamba/GDN hybrid needs --num-speculative-tokens and "
+                            "--speculative-method: the mamba state grows with them")
     base = next((layer for layer in layers if layer.kind in ("full", "mla") and layer.role == "kv"), None)
     if base is None:
         raise BadInputError("--draft-layers needs a full-attention layer to copy; this model has none")

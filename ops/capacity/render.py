@@ -9,7 +9,7 @@ from typing import Any
 
 from kvops.ops.capacity.allocator import SizingFlags
 from kvops.ops.capacity.calibration import MAX_GIB, load_calibration
-from kvops.ops.capacity.model import load_config, model_dtype, read_model, text_config
+from kvops.ops.capacity.model import ModelKV, load_config, model_dtype, read_model, text_config
 from kvops.ops.capacity.offload import OffloadInputs, recommend_offload
 from kvops.ops.capacity.outputs import explain, kvops_settings, offload_chunk_tokens, serve_command
 from kvops.ops.capacity.plan import (
@@ -36,6 +36,8 @@ class PlanRequest:
     device: str = "cuda"
     kv_cache_dtype: str = "auto"
     draft_layers: int = 0
+    num_speculative_tokens: int = 0
+    speculative_method: str | None = None
     model_dir: Path | None = None
     quantiles: tuple[int | None, int | None, int | None] = (None, None, None)
     lengths_file: Path | None = None
@@ -86,6 +88,11 @@ def _inputs(req: PlanRequest, raw: dict[str, Any]) -> PlanInputs:
         cudagraph_gib=req.cudagraph_gib, calibration=calibration, model_ref=_model_ref(req.config, req.model_dir))
 
 
+def _read_model(raw: dict[str, Any], req: PlanRequest, kv_cache_dtype: str) -> ModelKV:
+    return read_model(raw, tp=req.tp, kv_cache_dtype=kv_cache_dtype, draft_layers=req.draft_layers,
+                      num_speculative_tokens=req.num_speculative_tokens, speculative_method=req.speculative_method)
+
+
 def run_plan(req: PlanRequest) -> dict[str, Any]:
     if req.max_model_len < 1:
         raise BadInputError(f"--max-model-len must be >= 1, got {req.max_model_len}")
@@ -94,10 +101,10 @@ def run_plan(req: PlanRequest) -> dict[str, Any]:
     if req.host_memory_gib is not None and not 0 <= req.host_memory_gib <= MAX_GIB:
         raise BadInputError(f"--host-memory-gib must be in [0, {MAX_GIB:.0f}], got {req.host_memory_gib}")
     raw = load_config(req.config)
-    model = read_model(raw, tp=req.tp, kv_cache_dtype=req.kv_cache_dtype, draft_layers=req.draft_layers)
+    model = _read_model(raw, req, req.kv_cache_dtype)
     fp8 = None
     if req.kv_cache_dtype in ("auto", "bfloat16", "float16") and not model.use_mla:
-        fp8 = read_model(raw, tp=req.tp, kv_cache_dtype="fp8", draft_layers=req.draft_layers)
+        fp8 = _read_model(raw, req, "fp8")
     work = _workload(req)
     plan: dict[str, Any] = make_plan(model, SizingFlags(max_model_len=req.max_model_len), _inputs(req, raw),
                                      work, req.gpu, fp8)

@@ -17,6 +17,10 @@ Tp = Annotated[int, typer.Option("--tensor-parallel-size", "-tp", help="TP size 
 Pp = Annotated[int, typer.Option("--pipeline-parallel-size", "-pp", help="PP size (layers split over stages).")]
 Draft = Annotated[int, typer.Option(
     "--draft-layers", help="Drafter KV layers (MTP: num_nextn_predict_layers; EAGLE: 1), target's attention spec.")]
+SpecTokens = Annotated[int, typer.Option(
+    "--num-speculative-tokens", help="K of --speculative-config: mamba states and sliding reserves grow with it.")]
+SpecMethod = Annotated[str | None, typer.Option(
+    "--speculative-method", help="method of --speculative-config: mtp, eagle, eagle3, ngram, draft_model ...")]
 Device = Annotated[str, typer.Option("--device", help="cuda (block 16, async scheduling) or cpu (block 128).")]
 BlockSize = Annotated[int | None, typer.Option("--block-size", help="As passed to vllm serve.")]
 Mnbt = Annotated[int | None, typer.Option("--max-num-batched-tokens", help="Default 2048.")]
@@ -39,10 +43,12 @@ def _flags(max_model_len: int, device: str, block_size: int | None, mnbt: int | 
                        max_num_batched_tokens=mnbt, async_scheduling=is_async, pipeline_parallel_size=pp)
 
 
-def _model(config: Path, tp: int, kv_dtype: str, draft_layers: int = 0) -> Any:
+def _model(config: Path, tp: int, kv_dtype: str, draft_layers: int = 0, spec_tokens: int = 0,
+           spec_method: str | None = None) -> Any:
     from kvops.ops.capacity.model import load_config, read_model
 
-    return read_model(load_config(config), tp=tp, kv_cache_dtype=kv_dtype, draft_layers=draft_layers)
+    return read_model(load_config(config), tp=tp, kv_cache_dtype=kv_dtype, draft_layers=draft_layers,
+                      num_speculative_tokens=spec_tokens, speculative_method=spec_method)
 
 
 def kv_capacity_cmd(
@@ -50,14 +56,16 @@ def kv_capacity_cmd(
     kv_cache_memory_bytes: Annotated[int, typer.Option("--kv-cache-memory-bytes", help="KV bytes on one rank.")],
     kv_cache_dtype: KvDtype = "auto", tensor_parallel_size: Tp = 1, pipeline_parallel_size: Pp = 1,
     device: Device = "cuda", block_size: BlockSize = None, max_num_batched_tokens: Mnbt = None,
-    async_scheduling: Async = None, draft_layers: Draft = 0, json_out: JsonOut = False,
+    async_scheduling: Async = None, draft_layers: Draft = 0, num_speculative_tokens: SpecTokens = 0,
+    speculative_method: SpecMethod = None, json_out: JsonOut = False,
 ) -> None:
     """Reproduce vLLM's 'KV cache size' and 'Maximum concurrency' for one rank."""
     from kvops.ops.capacity.allocator import kv_capacity
 
     flags = _flags(max_model_len, device, block_size, max_num_batched_tokens, async_scheduling,
                    pipeline_parallel_size)
-    model = _model(config, tensor_parallel_size, kv_cache_dtype, draft_layers)
+    model = _model(config, tensor_parallel_size, kv_cache_dtype, draft_layers, num_speculative_tokens,
+                   speculative_method)
     result = kv_capacity(model, kv_cache_memory_bytes, flags).as_dict()
     typer.echo(json.dumps(result) if json_out else result["log_line"])
 
@@ -95,7 +103,8 @@ def plan_cmd(
     gpu: Annotated[str | None, typer.Option("--gpu", help="H100, H200, B200, A100 ...")] = None,
     gpu_memory_gib: Annotated[float | None, typer.Option("--gpu-memory-gib", help="Total GiB as the device reports it.")] = None,
     tensor_parallel_size: Tp = 1, pipeline_parallel_size: Pp = 1, device: Device = "cuda",
-    kv_cache_dtype: KvDtype = "auto", draft_layers: Draft = 0,
+    kv_cache_dtype: KvDtype = "auto", draft_layers: Draft = 0, num_speculative_tokens: SpecTokens = 0,
+    speculative_method: SpecMethod = None,
     model_dir: Annotated[Path | None, typer.Option("--model-dir", help="Read weights from safetensors headers.")] = None,
     p50: Annotated[int | None, typer.Option("--p50", help="Median prompt+output tokens.")] = None,
     p95: Annotated[int | None, typer.Option("--p95")] = None,
@@ -126,8 +135,8 @@ def plan_cmd(
     plan = run_plan(PlanRequest(
         config=config, max_model_len=max_model_len, gpu=gpu, gpu_memory_gib=gpu_memory_gib,
         tp=tensor_parallel_size, pp=pipeline_parallel_size, device=device, kv_cache_dtype=kv_cache_dtype,
-        draft_layers=draft_layers,
-        model_dir=model_dir, quantiles=(p50, p95, p99), lengths_file=lengths_file, risk_quantile=risk_quantile,
+        draft_layers=draft_layers, num_speculative_tokens=num_speculative_tokens,
+        speculative_method=speculative_method, model_dir=model_dir, quantiles=(p50, p95, p99), lengths_file=lengths_file, risk_quantile=risk_quantile,
         headroom_fraction=headroom, target_concurrency=target_concurrency, gpu_memory_utilization=gpu_memory_utilization,
         max_num_batched_tokens=max_num_batched_tokens, activation_gib=activation_gib, non_torch_gib=non_torch_gib,
         cudagraph_gib=cudagraph_gib, calibration=calibration, distinct_prefixes=distinct_prefixes,

@@ -142,3 +142,18 @@ def test_fuzzed_malformed_json_exits_2(tmp_path: Path, text: str) -> None:
     code, out = invoke("kv-capacity", "--config", str(path), "--kv-cache-memory-bytes", "1000000000",
                        "--max-model-len", "1024")
     assert code == 2, out
+
+
+def test_speculative_flags_size_a_hybrid_and_bad_ones_exit_2() -> None:
+    nemotron = str(FIXTURES / "nvidia--Nemotron-H-56B-Base-8K.json")
+    base = ("kv-capacity", "--config", nemotron, "--kv-cache-memory-bytes", str(20 << 30),
+            "--max-model-len", "8192", "--json")
+    _, plain = invoke(*base)
+    code, out = invoke(*base, "--num-speculative-tokens", "3", "--speculative-method", "mtp", "--draft-layers", "1")
+    assert code == 0, out
+    # 3 more state blocks per request and wider conv states: fewer requests fit
+    assert json.loads(out)["max_concurrency"] < json.loads(plain)["max_concurrency"]
+    code, out = invoke(*base, "--num-speculative-tokens", "3")
+    assert code == 2
+    assert "--speculative-method" in out
+    assert "Traceback" not in out
