@@ -41,6 +41,7 @@ class SizingFlags:
     async_scheduling: bool | None = None  # None: on for cuda, off for cpu (platforms/cpu.py)
     pipeline_parallel_size: int = 1
     mamba_cache_mode: str = "align"  # "align" when prefix caching is on (the default)
+    pp_layer_partition: tuple[int, ...] | None = None  # VLLM_PP_LAYER_PARTITION: decoder layers per stage
 
     @property
     def max_in_flight_tokens(self) -> int:
@@ -245,7 +246,7 @@ def kv_capacity(model: ModelKV, available_bytes: int, flags: SizingFlags) -> KVC
     # get_kv_cache_configs (kv_cache_utils.py:2531+): groups come from the whole model, each PP
     # stage sizes its own share of every group, and all workers take the smallest num_blocks.
     stage_bytes = [max(g.stage_bytes_per_block(first, last) for g in groups)
-                   for first, last in pp_stages(model, flags.pipeline_parallel_size)]
+                   for first, last in pp_stages(model, flags.pipeline_parallel_size, flags.pp_layer_partition)]
     stage_bytes = [b for b in stage_bytes if b > 0]
     for stage_bpb in stage_bytes:
         check_enough_memory(available_bytes, stage_bpb, groups, flags)
@@ -261,23 +262,43 @@ def kv_capacity(model: ModelKV, available_bytes: int, flags: SizingFlags) -> KVC
     )
 
 
-def pp_indices(num_layers: int, rank: int, pp: int) -> tuple[int, int]:
-    """distributed/utils.py get_pp_indices: even split, the remainder on the stages before the
-    last (the middle ones when it is small). VLLM_PP_LAYER_PARTITION is not modelled."""
-    partitions = [num_layers // pp] * pp
-    for i in range(2, num_layers % pp + 2):
-        partitions[-i] += 1
+def pp_indices(num_layers: int, rank: int, pp: int, partition: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """distributed/utils.py get_pp_indices: VLLM_PP_LAYER_PARTITION when set, else an even split with
+    the remainder on the stages before the last (the middle ones when it is small)."""
+    if partition is not None:
+        partitions = list(partition)
+    else:
+        partitions = [num_layers // pp] * pp
+        for i in range(2, num_layers % pp + 2):
+            partitions[-i] += 1
     start = sum(partitions[:rank])
     return start, start + partitions[rank]
 
 
-def pp_stages(model: ModelKV, pp: int) -> list[tuple[int, int]]:
+def parse_pp_layer_partition(text: str | None) -> tuple[int, ...] | None:
+    """The env var's format, "a,b,c"; its sum and length are checked against the model in pp_stages."""
+    if text is None or not text.strip():
+        return None
+    try:
+        parts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise BadInputError(f"VLLM_PP_LAYER_PARTITION {text!r}: use comma-separated layer counts, e.g. 15,16,15,15") from None
+    if any(part < 1 for part in parts):
+        # vLLM accepts 0, then its allocator divides by zero on the stage without KV layers.
+        raise BadInputError(f"VLLM_PP_LAYER_PARTITION {text!r}: every stage needs at least one layer")
+    return parts
+
+
+def pp_stages(model: ModelKV, pp: int, partition: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
     if pp < 1:
         raise BadInputError(f"--pipeline-parallel-size must be >= 1, got {pp}")
     layers = model.num_decoder_layers or (max(layer.index for layer in model.layers) + 1)
     if pp > layers:
         raise BadInputError(f"--pipeline-parallel-size {pp} exceeds the model's {layers} decoder layers")
-    stages = [pp_indices(layers, rank, pp) for rank in range(pp)]
+    if partition is not None and (len(partition) != pp or sum(partition) != layers):
+        raise BadInputError(f"VLLM_PP_LAYER_PARTITION {','.join(map(str, partition))}: needs {pp} stage counts "
+                            f"(--pipeline-parallel-size) summing to the model's {layers} decoder layers")
+    stages = [pp_indices(layers, rank, pp, partition) for rank in range(pp)]
     first, last = stages[-1]
     return [*stages[:-1], (first, last + model.draft_layers)]  # the drafter runs on the last stage
 

@@ -52,6 +52,8 @@ def serve_command(model_ref: str, plan: dict[str, Any]) -> str:
     """The ready ``vllm serve`` line for the plan (kvops.yaml next to it)."""
     parts = [f"vllm serve {model_ref}",
              f"--tensor-parallel-size {plan['tensor_parallel_size']}"]
+    if plan.get("pp_layer_partition"):  # get_pp_indices reads it from the environment
+        parts.insert(0, "VLLM_PP_LAYER_PARTITION=" + ",".join(map(str, plan["pp_layer_partition"])))
     if plan.get("pipeline_parallel_size", 1) > 1:
         parts.append(f"--pipeline-parallel-size {plan['pipeline_parallel_size']}")
     parts += [f"--gpu-memory-utilization {plan['gpu_memory_utilization']:.2f}",

@@ -253,6 +253,7 @@ def make_plan(
     return {
         "device": inp.device, "gpu_total_gib": inp.gpu_total_gib, "tensor_parallel_size": inp.tp,
         "pipeline_parallel_size": inp.pp,
+        "pp_layer_partition": list(flags.pp_layer_partition) if flags.pp_layer_partition else None,
         "gpu_memory_utilization": util, "max_num_seqs": seqs, "max_num_seqs_why": seqs_why,
         "max_model_len": work.max_model_len,
         "max_num_batched_tokens": mnbt, "kv_cache_dtype": model.kv_dtype,

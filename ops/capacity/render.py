@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvops.ops.capacity.allocator import SizingFlags
+from kvops.ops.capacity.allocator import SizingFlags, parse_pp_layer_partition
 from kvops.ops.capacity.calibration import MAX_GIB, load_calibration
 from kvops.ops.capacity.model import ModelKV, load_config, model_dtype, read_model, text_config
 from kvops.ops.capacity.offload import OffloadInputs, recommend_offload
@@ -38,6 +38,7 @@ class PlanRequest:
     draft_layers: int = 0
     num_speculative_tokens: int = 0
     speculative_method: str | None = None
+    pp_layer_partition: str | None = None  # VLLM_PP_LAYER_PARTITION
     model_dir: Path | None = None
     quantiles: tuple[int | None, int | None, int | None] = (None, None, None)
     lengths_file: Path | None = None
@@ -106,8 +107,8 @@ def run_plan(req: PlanRequest) -> dict[str, Any]:
     if req.kv_cache_dtype in ("auto", "bfloat16", "float16") and not model.use_mla:
         fp8 = _read_model(raw, req, "fp8")
     work = _workload(req)
-    plan: dict[str, Any] = make_plan(model, SizingFlags(max_model_len=req.max_model_len), _inputs(req, raw),
-                                     work, req.gpu, fp8)
+    flags = SizingFlags(max_model_len=req.max_model_len, pp_layer_partition=parse_pp_layer_partition(req.pp_layer_partition))
+    plan: dict[str, Any] = make_plan(model, flags, _inputs(req, raw), work, req.gpu, fp8)
     plan["weights_source"] = "safetensors headers" if req.model_dir else "estimate from config.json"
     if req.model_dir is None and not plan["non_kv_sources"]["weights_gib"].startswith("calibration"):
         plan["notes"].append("weights estimated from config.json (dense formula); pass --model-dir for the "

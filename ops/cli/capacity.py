@@ -21,6 +21,8 @@ SpecTokens = Annotated[int, typer.Option(
     "--num-speculative-tokens", help="K of --speculative-config: mamba states and sliding reserves grow with it.")]
 SpecMethod = Annotated[str | None, typer.Option(
     "--speculative-method", help="method of --speculative-config: mtp, eagle, eagle3, ngram, draft_model ...")]
+PpPartition = Annotated[str | None, typer.Option(
+    "--pp-layer-partition", help="VLLM_PP_LAYER_PARTITION as exported for vllm serve, e.g. 15,16,15,15.")]
 Device = Annotated[str, typer.Option("--device", help="cuda (block 16, async scheduling) or cpu (block 128).")]
 BlockSize = Annotated[int | None, typer.Option("--block-size", help="As passed to vllm serve.")]
 Mnbt = Annotated[int | None, typer.Option("--max-num-batched-tokens", help="Default 2048.")]
@@ -36,11 +38,12 @@ def register(app: typer.Typer) -> None:
 
 
 def _flags(max_model_len: int, device: str, block_size: int | None, mnbt: int | None, is_async: bool | None,
-           pp: int = 1) -> Any:
-    from kvops.ops.capacity.allocator import SizingFlags
+           pp: int = 1, pp_partition: str | None = None) -> Any:
+    from kvops.ops.capacity.allocator import SizingFlags, parse_pp_layer_partition
 
     return SizingFlags(max_model_len=max_model_len, device=device, block_size=block_size,
-                       max_num_batched_tokens=mnbt, async_scheduling=is_async, pipeline_parallel_size=pp)
+                       max_num_batched_tokens=mnbt, async_scheduling=is_async, pipeline_parallel_size=pp,
+                       pp_layer_partition=parse_pp_layer_partition(pp_partition))
 
 
 def _model(config: Path, tp: int, kv_dtype: str, draft_layers: int = 0, spec_tokens: int = 0,
@@ -57,13 +60,13 @@ def kv_capacity_cmd(
     kv_cache_dtype: KvDtype = "auto", tensor_parallel_size: Tp = 1, pipeline_parallel_size: Pp = 1,
     device: Device = "cuda", block_size: BlockSize = None, max_num_batched_tokens: Mnbt = None,
     async_scheduling: Async = None, draft_layers: Draft = 0, num_speculative_tokens: SpecTokens = 0,
-    speculative_method: SpecMethod = None, json_out: JsonOut = False,
+    speculative_method: SpecMethod = None, pp_layer_partition: PpPartition = None, json_out: JsonOut = False,
 ) -> None:
     """Reproduce vLLM's 'KV cache size' and 'Maximum concurrency' for one rank."""
     from kvops.ops.capacity.allocator import kv_capacity
 
     flags = _flags(max_model_len, device, block_size, max_num_batched_tokens, async_scheduling,
-                   pipeline_parallel_size)
+                   pipeline_parallel_size, pp_layer_partition)
     model = _model(config, tensor_parallel_size, kv_cache_dtype, draft_layers, num_speculative_tokens,
                    speculative_method)
     result = kv_capacity(model, kv_cache_memory_bytes, flags).as_dict()
@@ -104,7 +107,7 @@ def plan_cmd(
     gpu_memory_gib: Annotated[float | None, typer.Option("--gpu-memory-gib", help="Total GiB as the device reports it.")] = None,
     tensor_parallel_size: Tp = 1, pipeline_parallel_size: Pp = 1, device: Device = "cuda",
     kv_cache_dtype: KvDtype = "auto", draft_layers: Draft = 0, num_speculative_tokens: SpecTokens = 0,
-    speculative_method: SpecMethod = None,
+    speculative_method: SpecMethod = None, pp_layer_partition: PpPartition = None,
     model_dir: Annotated[Path | None, typer.Option("--model-dir", help="Read weights from safetensors headers.")] = None,
     p50: Annotated[int | None, typer.Option("--p50", help="Median prompt+output tokens.")] = None,
     p95: Annotated[int | None, typer.Option("--p95")] = None,
@@ -136,7 +139,7 @@ def plan_cmd(
         config=config, max_model_len=max_model_len, gpu=gpu, gpu_memory_gib=gpu_memory_gib,
         tp=tensor_parallel_size, pp=pipeline_parallel_size, device=device, kv_cache_dtype=kv_cache_dtype,
         draft_layers=draft_layers, num_speculative_tokens=num_speculative_tokens,
-        speculative_method=speculative_method, model_dir=model_dir, quantiles=(p50, p95, p99), lengths_file=lengths_file, risk_quantile=risk_quantile,
+        speculative_method=speculative_method, pp_layer_partition=pp_layer_partition, model_dir=model_dir, quantiles=(p50, p95, p99), lengths_file=lengths_file, risk_quantile=risk_quantile,
         headroom_fraction=headroom, target_concurrency=target_concurrency, gpu_memory_utilization=gpu_memory_utilization,
         max_num_batched_tokens=max_num_batched_tokens, activation_gib=activation_gib, non_torch_gib=non_torch_gib,
         cudagraph_gib=cudagraph_gib, calibration=calibration, distinct_prefixes=distinct_prefixes,
