@@ -44,6 +44,8 @@ _GPU_SUMMARY = re.compile(
 _GPU_WEIGHTS = re.compile(rf"Model loading took {_NUM} GiB memory")  # v1/worker/gpu_model_runner.py:5150
 _GPU_CG_ESTIMATE = re.compile(rf"Estimated CUDA graph memory: {_NUM} GiB total")  # gpu_model_runner.py:6475
 _GPU_CG_DISABLED = "CUDA graph memory profiling is disabled"  # gpu_worker.py:790
+# config/scheduler.py:308, logged by the API server once chunked prefill is on (the V1 default)
+_MNBT = re.compile(r"Chunked prefill is enabled with max_num_batched_tokens=(\d+)")
 
 
 class Calibration(BaseModel):
@@ -70,6 +72,8 @@ class Calibration(BaseModel):
     activation_gib: float | None = Field(None, ge=-MAX_GIB, le=MAX_GIB)
     non_torch_gib: float | None = Field(None, ge=-MAX_GIB, le=MAX_GIB)
     cudagraph_gib: float | None = Field(None, ge=-MAX_GIB, le=MAX_GIB)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    """The server's; the activation peak is rescaled from it when a plan batches differently."""
     precision_gib: float = LOG_PRECISION_GIB
     source: str
 
@@ -121,7 +125,9 @@ def calibration_from_log(text: str, source: str) -> Calibration:
     """Read the non-KV terms a server logged at startup; a log without them exits 2."""
     engine = _engine_fields(text)
     terms = _cpu_terms(text) if engine["device"] == "cpu" else _gpu_terms(text)
-    return Calibration.model_validate({**engine, **terms, "source": source})
+    mnbt = _MNBT.search(text)
+    return Calibration.model_validate({**engine, **terms, "source": source,
+                                       "max_num_batched_tokens": int(mnbt[1]) if mnbt else None})
 
 
 def calibration_from_metrics(
@@ -151,7 +157,8 @@ def calibration_from_metrics(
         "kv_cache_dtype": labels.get("cache_dtype", "auto"), "device_total_gib": total,
         "gpu_memory_utilization": util, "requested_gib": requested / GIB, "available_kv_gib": available / GIB,
         "non_kv_gib": (requested - available) / GIB, "includes_weights": True,
-        "precision_gib": block_bytes / 2 / GIB, "source": source})
+        "precision_gib": block_bytes / 2 / GIB, "source": source,
+        "max_num_batched_tokens": plan.get("max_num_batched_tokens")})
 
 
 def measured_from_log(text: str, source: str, *, required: bool) -> Calibration | None:

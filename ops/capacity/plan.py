@@ -144,7 +144,9 @@ def non_kv_terms(inp: PlanInputs, max_num_seqs: int, mnbt: int) -> tuple[dict[st
                  "non_torch_gib": cal.non_kv_gib, "cudagraph_gib": inp.cudagraph_gib or 0.0}
         sources = {"weights_gib": "inside the calibrated non-KV lump",
                    "activation_gib": "--activation-gib" if inp.activation_gib else "inside the calibrated lump",
-                   "non_torch_gib": f"calibration ({cal.source}): all non-KV memory the worker held",
+                   "non_torch_gib": f"calibration ({cal.source}): all non-KV memory the worker held"
+                   + (f" at max_num_batched_tokens {cal.max_num_batched_tokens} (not rescaled: one lump)"
+                      if cal.max_num_batched_tokens not in (None, mnbt) else ""),
                    "cudagraph_gib": "--cudagraph-gib" if inp.cudagraph_gib else "none on this device"}
         return terms, sources
     cal_source = f"calibration ({cal.source})" if cal else ""
@@ -166,11 +168,30 @@ def non_kv_terms(inp: PlanInputs, max_num_seqs: int, mnbt: int) -> tuple[dict[st
             if not 0 <= given <= MAX_GIB:
                 raise BadInputError(f"--{key[:-4].replace('_', '-')}-gib must be in [0, {MAX_GIB:.0f}], got {given}")
             terms[key], sources[key] = given, f"--{key[:-4].replace('_', '-')}-gib"
+        elif measured is not None and key == "activation_gib":
+            terms[key], sources[key] = scaled_activation(measured, cal, cal_source, mnbt)
         elif measured is not None:
             terms[key], sources[key] = measured, cal_source
         else:
             terms[key], sources[key] = default, why
     return terms, sources
+
+
+def scaled_activation(measured: float, cal: Calibration | None, source: str, mnbt: int) -> tuple[float, str]:
+    """A calibrated activation peak at the plan's max_num_batched_tokens.
+
+    Assumption: the profile run's peak grows linearly with the tokens it batches (its dummy batch
+    is max_num_batched_tokens tokens, v1/worker/gpu_model_runner.py profile_run; planner.md §3.5
+    item 8). The sampler warm-up rows (min(max_num_seqs, mnbt) × vocab × 4 B) scale with the same
+    ratio here, an overestimate when only max_num_batched_tokens grew.
+    """
+    measured_at = cal.max_num_batched_tokens if cal else None
+    if measured_at is None:
+        return measured, f"{source}; the calibration recorded no max_num_batched_tokens, so not rescaled"
+    if measured_at == mnbt:
+        return measured, source
+    return measured * mnbt / measured_at, (f"{source}: {measured:.3f} GiB at max_num_batched_tokens {measured_at} "
+                                           f"× {mnbt}/{measured_at} (peak assumed ∝ batched tokens)")
 
 
 def blocks_for_tokens(cap: KVCapacity, flags: SizingFlags, tokens: int) -> int:

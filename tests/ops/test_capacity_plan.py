@@ -386,3 +386,24 @@ def test_metrics_calibration_agrees_with_the_same_servers_log() -> None:
         calibration_from_metrics(cache_config_labels(explicit), plan_doc, "0.32.0", "/tmp/tiny", "test")
     with pytest.raises(BadInputError, match="plan --json"):
         calibration_from_metrics(cache_config_labels(metrics), {"num_blocks": 1}, "0.32.0", "/tmp/tiny", "test")
+
+
+def test_calibrated_activation_is_rescaled_to_the_plans_batched_tokens(tmp_path: Path) -> None:
+    # config/scheduler.py:308 logs the server's max_num_batched_tokens; the calibration keeps it.
+    log = GPU_LOG + ("(APIServer pid=0) INFO 01-01 00:00:00 [scheduler.py:308] Chunked prefill is enabled "
+                     "with max_num_batched_tokens=8192.\n")
+    _, out, cal = calibrate(tmp_path, log)
+    assert json.loads(cal.read_text())["max_num_batched_tokens"] == 8192, out
+    args = ("--config", str(LLAMA_8B), "--gpu", "H100", "--max-model-len", "8192", "--calibration", str(cal))
+    same = plan(*args, "--max-num-batched-tokens", "8192")
+    double = plan(*args, "--max-num-batched-tokens", "16384")
+    given = plan(*args, "--max-num-batched-tokens", "16384", "--activation-gib", "1.5")
+    assert same["non_kv"]["activation_gib"] == pytest.approx(2.73 - 0.84)
+    assert double["non_kv"]["activation_gib"] == pytest.approx(2 * (2.73 - 0.84))
+    assert "16384/8192" in double["non_kv_sources"]["activation_gib"]
+    assert given["non_kv"]["activation_gib"] == 1.5
+    _, _, old = calibrate(tmp_path, GPU_LOG)  # no scheduler line: the measured peak is used as is
+    unscaled = plan("--config", str(LLAMA_8B), "--gpu", "H100", "--max-model-len", "8192", "--calibration",
+                    str(old), "--max-num-batched-tokens", "16384")
+    assert unscaled["non_kv"]["activation_gib"] == pytest.approx(2.73 - 0.84)
+    assert "not rescaled" in unscaled["non_kv_sources"]["activation_gib"]
