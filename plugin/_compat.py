@@ -13,11 +13,11 @@ Hook points:
 
 from __future__ import annotations
 
-import atexit
 import importlib.abc
 import importlib.util
 import logging
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -80,11 +80,11 @@ def arm_engine_refusal() -> None:
     that prints that reason as our one line and exits 2 instead of raising with a traceback."""
     import vllm.v1.engine.utils as engine_utils
 
-    fd, note = tempfile.mkstemp(prefix="kvops-refusal-")  # empty: nothing refused yet
-    os.close(fd)
-    atexit.register(Path(note).unlink, missing_ok=True)
+    # Created only by a refusing process (O_EXCL, an unguessable name), so a server that starts
+    # and stops normally leaves nothing behind.
+    note = Path(tempfile.gettempdir()) / f"kvops-refusal-{os.getpid()}-{secrets.token_hex(8)}"
     os.environ[FRONTEND_PID_ENV] = str(os.getpid())
-    os.environ[REFUSAL_NOTE_ENV] = note
+    os.environ[REFUSAL_NOTE_ENV] = str(note)
     original = engine_utils.wait_for_engine_startup
     if getattr(original, _WRAPPED_MARK, False):
         return
@@ -111,6 +111,7 @@ def _take_note() -> str | None:
         reason = Path(path).read_text()
     except OSError:
         return None
+    Path(path).unlink(missing_ok=True)
     return reason or None
 
 
@@ -128,7 +129,9 @@ def refuse_in_engine(message: str, *, worker: bool) -> NoReturn:
     if frontend is None or note is None or int(frontend) == os.getpid():
         _say_refusal(message)  # no separate front end to tell (in-process engine)
         raise SystemExit(2)
-    Path(note).write_text(message)
+    fd = os.open(note, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, message.encode())
+    os.close(fd)
     if worker and os.getppid() != int(frontend):
         os.kill(os.getppid(), signal.SIGKILL)
     os._exit(2)
