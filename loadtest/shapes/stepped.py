@@ -38,4 +38,6 @@ class PoolShape(LoadTestShape):
         elapsed: float = self.get_run_time()  # type: ignore[no-untyped-call]
         if elapsed >= duration:
             return None
-        return int(users), SPAWN_RATE
+        # the whole pool within a second: at hundreds of arrivals/s a slower spawn would make
+        # the first seconds late for want of free users, not for want of CPU
+        return int(users), max(SPAWN_RATE, float(users))

@@ -3,64 +3,56 @@
 ``python -m kvops.ops.bench.fake_sse PORT [EVENTS] [PACE_MS]``: every completion streams EVENTS
 token events of ~230 bytes (the size of a vLLM completion event) PACE_MS apart, so each event
 arrives in its own read, as from a real server (research/loadgen_bench.md used the same idea).
+It runs on gevent's WSGI server (one greenlet per connection, no thread per request), so that
+on a shared machine the load generator, not this server, is what runs out first.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterator
+from typing import Any
 
 EVENT = {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": "fake",
          "choices": [{"index": 0, "text": " tok", "logprobs": None, "finish_reason": None,
                       "stop_reason": None, "token_ids": None, "prompt_logprobs": None}]}
 
 
-def handler(events: int, pace_s: float) -> type[BaseHTTPRequestHandler]:
+def app(events: int, pace_s: float) -> Callable[..., Any]:
+    import gevent
+
     token = b"data: " + json.dumps(EVENT).encode() + b"\n\n"
     usage = b"data: " + json.dumps({"id": "cmpl-fake", "choices": [], "usage": {
         "prompt_tokens": 8, "completion_tokens": events, "total_tokens": 8 + events}}).encode() + b"\n\n"
+    models = json.dumps({"data": [{"id": "fake"}]}).encode()
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def stream() -> Iterator[bytes]:
+        for _ in range(events):
+            yield token  # no Content-Length: pywsgi sends each yield as its own HTTP chunk
+            gevent.sleep(pace_s)
+        yield usage + b"data: [DONE]\n\n"
 
-        def log_message(self, *args: object) -> None:
-            pass
+    def wsgi(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterator[bytes]:
+        if environ["REQUEST_METHOD"] == "GET":
+            found = environ["PATH_INFO"] == "/v1/models"
+            start_response("200 OK" if found else "404 Not Found",
+                           [("Content-Type", "application/json"), ("Content-Length", str(len(models)))])
+            return iter([models])
+        environ["wsgi.input"].read()
+        start_response("200 OK", [("Content-Type", "text/event-stream")])
+        return stream()
 
-        def _chunk(self, data: bytes) -> None:
-            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-            self.wfile.flush()
-
-        def do_GET(self) -> None:
-            payload = json.dumps({"data": [{"id": "fake"}]}).encode()
-            self.send_response(200 if self.path == "/v1/models" else 404)
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            for _ in range(events):
-                self._chunk(token)
-                time.sleep(pace_s)
-            self._chunk(usage + b"data: [DONE]\n\n")
-            self._chunk(b"")
-
-    return Handler
+    return wsgi
 
 
 def main(argv: list[str]) -> None:
+    from gevent.pywsgi import WSGIServer
+
     port = int(argv[0])
     events = int(argv[1]) if len(argv) > 1 else 16
     pace_ms = float(argv[2]) if len(argv) > 2 else 5.0
-    server = ThreadingHTTPServer(("127.0.0.1", port), handler(events, pace_ms / 1000.0))
-    server.daemon_threads = True
-    server.serve_forever()
+    WSGIServer(("127.0.0.1", port), app(events, pace_ms / 1000.0), log=None).serve_forever()
 
 
 if __name__ == "__main__":
