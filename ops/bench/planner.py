@@ -1,7 +1,9 @@
 """``kvops bench planner``: agreement with vLLM's allocator, and plan time vs importing vLLM.
 
 The comparison runs in a subprocess that imports vLLM (the planner itself never does), over the
-fixture configs × budgets × max_model_len × kv dtypes, and counts exact (num_blocks, tokens,
+fixture configs × budgets × max_model_len × kv dtypes (plus pipeline-parallel splits, and the
+families with their own oracles: DeepSeek-V3.2 sparse MLA, Gemma-4 per-layer head dims,
+speculative decoding, VLLM_PP_LAYER_PARTITION), and counts exact (num_blocks, tokens,
 concurrency) agreements.
 """
 
@@ -36,8 +38,42 @@ for path in t.FIXTURE_FILES:
         case = {"budget": 20 * 2**30, "mml": 32000, "tp": 1, "kv": "auto", "device": "cuda", "mnbt": 2048, "pp": pp}
         pp_total += 1
         pp_exact += t.run_pp(o, cfg, case) == t.ours_pp(cfg, case)
-print(json.dumps({"exact_cases": exact + pp_exact, "total_cases": total + pp_total,
-                  "pp_exact_cases": pp_exact, "pp_total_cases": pp_total}))
+import os
+import test_capacity_oracle_gemma4 as g4, test_capacity_oracle_pp_partition as ppp
+import test_capacity_oracle_sparse_mla as smla, test_capacity_oracle_speculative as spd
+families = {}
+def count(name, expected, got):
+    done = families.setdefault(name, [0, 0]); done[0] += expected == got; done[1] += 1
+sparse = smla.SparseOracle(o)
+for name, (cfg, indexed) in smla.CONFIGS.items():
+    for kv in ("auto", "fp8", "fp8_e4m3"):
+        for budget, mml in ((int(2.5 * 2**30), 4096), (20 * 2**30, 32000)):
+            case = {"budget": budget, "mml": mml, "tp": 1, "kv": kv, "device": "cuda", "mnbt": 2048}
+            count("sparse_mla", sparse.run(cfg, case, indexed), smla.ours(cfg, case))
+gemma = g4.Gemma4Oracle(o)
+for cfg in g4.CONFIGS.values():
+    for kv in ("auto", "fp8"):
+        for tp in (1, 2):
+            case = {"budget": 20 * 2**30, "mml": 32768, "tp": tp, "kv": kv, "device": "cuda", "mnbt": 2048}
+            count("gemma4_head_dims", gemma.run(cfg, case), g4.ours(cfg, case))
+for name in ("gpt_oss_20b", "qwen3_next", "nemotron_h"):
+    cfg = spd.config(name)
+    for method, k, draft in spd.METHODS:
+        case = {"budget": 20 * 2**30, "mml": 32000, "tp": 8 if name == "nemotron_h" else 2, "kv": "auto",
+                "device": "cuda", "mnbt": 2048, "method": method, "k": k, "draft": draft}
+        count("speculative", spd.run_vllm(o, cfg, case), spd.ours(cfg, case))
+for name in ("llama_8b", "deepseek_v3", "qwen3_next"):
+    cfg = ppp.config(name)
+    for split in ppp.partitions(cfg["num_hidden_layers"]):
+        os.environ["VLLM_PP_LAYER_PARTITION"] = split
+        case = {"budget": 20 * 2**30, "mml": 32000, "tp": 1, "kv": "auto", "device": "cuda", "mnbt": 2048,
+                "pp": split.count(",") + 1, "split": split}
+        count("pp_layer_partition", t.run_pp(o, cfg, case), ppp.ours(cfg, case))
+os.environ.pop("VLLM_PP_LAYER_PARTITION")
+more_exact, more_total = (sum(v[i] for v in families.values()) for i in (0, 1))
+print(json.dumps({"exact_cases": exact + pp_exact + more_exact, "total_cases": total + pp_total + more_total,
+                  "pp_exact_cases": pp_exact, "pp_total_cases": pp_total,
+                  "families": {k: {"exact_cases": v[0], "total_cases": v[1]} for k, v in families.items()}}))
 """
 
 

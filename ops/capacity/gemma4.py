@@ -34,10 +34,10 @@ def is_gemma4(cfg: Mapping[str, Any]) -> bool:
     return cfg.get("model_type") in GEMMA4_MODEL_TYPES
 
 
-def _field(cfg: Mapping[str, Any], key: str) -> int:
+def _field(cfg: Mapping[str, Any], key: str, where: str = "") -> int:
     value = cfg.get(key, _DEFAULTS.get(key))
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise BadInputError(f"config field {key!r} must be a positive integer (Gemma-4), got {value!r}")
+        raise BadInputError(f"config field {where + key!r} must be a positive integer (Gemma-4), got {value!r}")
     return value
 
 
@@ -71,9 +71,9 @@ def _per_layer_overrides(cfg: Mapping[str, Any], types: list[str]) -> dict[int, 
     out: dict[int, dict[str, int]] = {}
     for key, fields in given.items():
         if not str(key).isdigit() or not isinstance(fields, dict) or set(fields) - set(_PER_LAYER_KEYS):
-            raise BadInputError(f"config field 'per_layer_config' entry {key!r}: the planner reads only "
-                                f"{', '.join(_PER_LAYER_KEYS)} per layer")
-        out[int(key)] = {k: _field(fields, k) for k in fields}
+            raise BadInputError(f"config field 'per_layer_config' entry {key!r}: use a layer index mapping to "
+                                f"{' and/or '.join(_PER_LAYER_KEYS)} (the fields the planner reads per layer)")
+        out[int(key)] = {k: _field(fields, k, f"per_layer_config[{key}].") for k in fields}
     return out
 
 

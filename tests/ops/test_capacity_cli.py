@@ -106,7 +106,9 @@ JSON_VALUES = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=8)
 FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
-          "sliding_window", "layer_types", "kv_lora_rank", "torch_dtype", "hybrid_override_pattern")
+          "sliding_window", "layer_types", "kv_lora_rank", "torch_dtype", "hybrid_override_pattern",
+          "index_topk", "index_head_dim", "index_topk_freq", "index_topk_pattern", "model_type",
+          "global_head_dim", "num_global_key_value_heads", "per_layer_config", "num_kv_shared_layers")
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -157,3 +159,35 @@ def test_speculative_flags_size_a_hybrid_and_bad_ones_exit_2() -> None:
     assert code == 2
     assert "--speculative-method" in out
     assert "Traceback" not in out
+
+
+GEMMA4 = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "torch_dtype": "bfloat16",
+          "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+          "global_head_dim": 512, "num_global_key_value_heads": 2, "attention_k_eq_v": True, "sliding_window": 1024,
+          "hidden_size": 2048}
+SPARSE_MLA = {"architectures": ["DeepseekV32ForCausalLM"], "torch_dtype": "bfloat16", "num_hidden_layers": 8,
+              "num_attention_heads": 16, "hidden_size": 2048, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+              "index_topk": 2048, "index_head_dim": 128}
+NEW_FIELDS = ("num_hidden_layers", "head_dim", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v",
+              "sliding_window", "layer_types", "per_layer_config", "use_bidirectional_attention",
+              "num_kv_shared_layers", "index_head_dim", "index_topk_freq", "index_topk_pattern",
+              "index_skip_topk_offset", "kv_lora_rank")
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(base=st.sampled_from([GEMMA4, SPARSE_MLA]),
+       broken=st.dictionaries(st.sampled_from(NEW_FIELDS), JSON_VALUES, min_size=1, max_size=3),
+       extra=st.sampled_from([(), ("--num-speculative-tokens", "2"), ("--speculative-method", "mtp"),
+                              ("-pp", "2", "--pp-layer-partition", "3,x"), ("-pp", "2", "--pp-layer-partition", "6,6"),
+                              ("--num-speculative-tokens", "-1", "--speculative-method", "eagle")]))
+def test_fuzzed_gemma4_and_sparse_mla_configs_exit_2(
+    tmp_path: Path, base: dict[str, object], broken: dict[str, object], extra: tuple[str, ...],
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**base, **broken}))
+    code, out = invoke("kv-capacity", "--config", str(path), "--kv-cache-memory-bytes", str(8 << 30),
+                       "--max-model-len", "4096", "--json", *extra)
+    assert code in (0, 2), out
+    if code == 2:
+        assert out.startswith("kvops: ")
+        assert out.count("\n") == 1
