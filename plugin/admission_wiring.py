@@ -42,19 +42,28 @@ def configure(vllm_config: Any, settings: AdmissionSettings) -> None:
 
 
 def install_front_door_hooks() -> None:
-    """Wrap vLLM's render step of completions and chat, and add the Retry-After middleware."""
+    """Wrap vLLM's render step of completions, chat and responses, and add the Retry-After
+    middleware."""
     from vllm.entrypoints.launchers import app as app_module
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
     # vllm/entrypoints/openai/completion/serving.py:88 returns list[EngineInput] | ErrorResponse.
     _wrap_render(OpenAIServingCompletion, "render_completion_request", lambda result: result)
     # vllm/entrypoints/openai/chat_completion/serving.py:258 returns (conversation, inputs).
     _wrap_render(OpenAIServingChat, "render_chat_request", lambda result: result[1])
+    # vllm/entrypoints/openai/responses/serving.py:285 returns one ResponsesRenderResult (later
+    # turns of a tool-calling response render elsewhere: they continue an admitted request).
+    _wrap_render(
+        OpenAIServingResponses, "_render_resolved_response_inputs",
+        lambda result: [result.engine_input],
+    )
     # The outer create_* calls see the raw request (tenant header) and span the whole response
     # (vllm/entrypoints/openai/completion/serving.py:109, chat_completion/serving.py:281).
     _wrap_create(OpenAIServingCompletion, "create_completion")
     _wrap_create(OpenAIServingChat, "create_chat_completion")
+    _wrap_create(OpenAIServingResponses, "create_responses")
     # vllm/entrypoints/launchers/app.py:54: build_app looks this name up in its module at call
     # time, after attach_endpoint_plugins, so what we add here is the outermost middleware.
     original = app_module.init_entrypoints_middleware
