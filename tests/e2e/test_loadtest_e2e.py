@@ -66,14 +66,47 @@ def _check_kv_verdict(result: dict, log: str) -> dict:
     return ev
 
 
-def test_kv_exhaustion_on_a_tiny_cache(vllm, small_kv, tmp_path):
-    _, result = loadtest(tmp_path, "kv-exhaustion", small_kv.url, "--duration", "40")
-    _check_kv_verdict(result, vllm.log_of(small_kv))
+def _plan_for_small_kv(tiny_model, tmp_path) -> str:
+    """What the planner says about the small_kv server, as `kvops kv-capacity --json` prints it."""
+    res = CliRunner().invoke(app, ["kv-capacity", "--config", str(tiny_model / "config.json"),
+                                   "--kv-cache-memory-bytes", str(SMALL_KV_BLOCKS * BLOCK_BYTES),
+                                   "--max-model-len", "1024", "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    path = tmp_path / "plan.json"
+    path.write_text(res.output)
+    return str(path)
+
+
+def test_kv_exhaustion_on_a_tiny_cache(vllm, small_kv, tiny_model, tmp_path):
+    _, result = loadtest(tmp_path, "kv-exhaustion", small_kv.url, "--duration", "40",
+                         "--expect", _plan_for_small_kv(tiny_model, tmp_path))
+    ev = _check_kv_verdict(result, vllm.log_of(small_kv))
+    # the planner's blocks are the server's, and its prediction for these requests sits below
+    # the knee as the server's own does
+    assert ev["plan_num_blocks"] == ev["num_gpu_blocks"]
+    assert ev["plan_matches_server_blocks"] is True
+    assert ev["plan_predicted_max_concurrency"] == ev["predicted_max_concurrency"] < ev["knee_users"]
+    assert "the plan predicts" in ev["knee_vs_plan"]
     assert [s["classification"] for s in result["steps"]][0] == "ok"
     # the idle server reads healthy live; with the result file the problem is reported
     assert diagnose(small_kv.url) == [("healthy", "none")]
     assert diagnose(small_kv.url, "--result", result["files"]["json"]) == [
         ("kv-exhaustion", "kv-capacity")]
+
+
+def test_prefix_miss_from_eviction_on_a_tiny_cache(small_kv, tmp_path):
+    # eight 300-word system prompts (~2 blocks each) cannot all stay in 11 usable blocks while
+    # requests run: caching is on and the prompts are identical, yet the blocks are gone
+    scenario = tmp_path / "many.yaml"
+    scenario.write_text("groups: 8\nprefix_words: 300\nusers: 2\n")
+    _, result = loadtest(tmp_path, "prefix-miss", small_kv.url, "--duration", "25",
+                         "--scenario-file", str(scenario))
+    (verdict,) = result["verdicts"]
+    assert (verdict["problem"], verdict["cause"]) == ("prefix-miss", "eviction"), verdict
+    ev = verdict["evidence"]
+    assert ev["enable_prefix_caching"] in ("True", "true", True)
+    assert ev["measured_hit_rate"] < 0.8 * ev["ideal_hit_rate"]
+    assert ev["kv_usage_max"] > 0.5
 
 
 def test_distributed_run_gives_the_same_verdict(vllm, small_kv, tmp_path):
@@ -89,6 +122,41 @@ def test_kv_exhaustion_healthy_server(healthy, tmp_path):
     _, result = loadtest(tmp_path, "kv-exhaustion", healthy.url, "--duration", "40")
     assert [v["problem"] for v in result["verdicts"]] == ["healthy"], result["verdicts"]
     assert all(s["classification"] == "ok" for s in result["steps"])
+
+
+@pytest.fixture(scope="module")
+def two_seqs(vllm, tiny_model):
+    """A KV cache that holds hundreds of the requests below, but only two sequences at a time."""
+    return vllm(tiny_model, "--max-model-len", "512", "--max-num-seqs", "2")
+
+
+def test_kv_exhaustion_bound_by_max_num_seqs(two_seqs, tmp_path):
+    scenario = tmp_path / "seqs.yaml"
+    scenario.write_text("workload: {prompt_words: 60, max_tokens: 64}\nsteps: [1, 2, 4, 8]\nstep_s: 8\n")
+    _, result = loadtest(tmp_path, "kv-exhaustion", two_seqs.url, "--scenario-file", str(scenario))
+    (verdict,) = result["verdicts"]
+    assert (verdict["problem"], verdict["cause"]) == ("kv-exhaustion", "max-num-seqs"), verdict
+    ev = verdict["evidence"]
+    # oracles: the --max-num-seqs we started the server with, and its cache size
+    assert ev["running_max"] == 2
+    assert ev["knee_users"] > 2
+    assert ev["kv_usage_max"] < 0.5
+    assert ev["predicted_max_concurrency"] > 100
+    assert ev["preemptions"] == 0
+
+
+def test_kv_exhaustion_failing_requests(two_seqs, tmp_path):
+    # prompts of ~650 tokens against --max-model-len 512: the server refuses every one (HTTP 400)
+    scenario = tmp_path / "long.yaml"
+    scenario.write_text("workload: {prompt_words: 600, max_tokens: 16}\nsteps: [1, 2]\nstep_s: 5\n")
+    _, result = loadtest(tmp_path, "kv-exhaustion", two_seqs.url, "--scenario-file", str(scenario))
+    (verdict,) = result["verdicts"]
+    assert (verdict["problem"], verdict["cause"]) == ("kv-exhaustion", "failing"), verdict
+    assert verdict["evidence"]["errors"] >= 2
+    records = [json.loads(x) for x in open(result["files"]["records"])]
+    failed = [r for r in records if not r["ok"] and not r["stopped"]]
+    assert failed
+    assert all(r["status"] == 400 for r in failed), {r["error"] for r in failed}
 
 
 def _server_ttft(url: str) -> tuple[float, float]:
