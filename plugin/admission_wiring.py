@@ -35,10 +35,37 @@ def configure(vllm_config: Any, settings: AdmissionSettings) -> None:
             f"got {given_name}: drop --scheduler-cls to let kvops set it, or set "
             '{"kvops": {"admission": {"policy": "off"}}}'
         )
+    warning = api_servers_warning(api_process_count(vllm_config))
+    if warning is not None:
+        from kvops.plugin._compat import plugin_logger
+
+        plugin_logger().warning(warning)
     from kvops.plugin import admission_http
 
     admission_http.install(settings)
     install_front_door_hooks()
+
+
+def api_process_count(vllm_config: Any) -> int:
+    """``--api-server-count`` as vLLM hands it to the config (vllm/entrypoints/cli/serve.py:309
+    sets ``engine_args._api_process_count`` before create_engine_config; no public accessor)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return int(getattr(parallel, "_api_process_count", 1) or 1)
+
+
+def api_servers_warning(count: int) -> str | None:
+    """What goes wrong with more than one API-server process: each one has its own front door
+    (the request bookkeeping it reads is per process, vllm/v1/engine/output_processor.py), so
+    the 429 budgets hold per process. The engine's KV gate and the never-fits 400 are exact."""
+    if count <= 1:
+        return None
+    return (
+        f"kvops admission with --api-server-count {count}: each API-server process counts only "
+        f"its own requests, so the 429 budgets (max_queued_requests, max_queued_kv_fraction, "
+        f"max_queue_wait_s, tenant max_in_flight) hold per process, up to {count}x in total, and "
+        f"Retry-After sees 1/{count} of the drain; the KV gate in the engine and the never-fits "
+        f"400 stay exact. Divide those budgets by {count}, or run --api-server-count 1"
+    )
 
 
 def install_front_door_hooks() -> None:

@@ -57,3 +57,26 @@ def test_policy_off_changes_nothing():
     configure(config, AdmissionSettings(policy="off"))
     assert config.scheduler_config.scheduler_cls == "vllm.v1.core.sched.scheduler.Scheduler"
     assert admission_http.door() is None
+
+
+def test_more_than_one_api_server_is_warned_about_loudly(monkeypatch):
+    from vllm.config import ParallelConfig
+
+    from kvops.plugin import _compat
+
+    warnings: list[str] = []
+    monkeypatch.setattr(_compat, "plugin_logger", lambda: SimpleNamespace(warning=warnings.append))
+    single = _config(False)
+    single.parallel_config = ParallelConfig()
+    configure(single, AdmissionSettings())
+    assert warnings == []
+
+    # vLLM's own ParallelConfig, as `vllm serve --api-server-count 3` fills it in
+    # (vllm/entrypoints/cli/serve.py:309 -> EngineArgs -> ParallelConfig).
+    several = _config(False)
+    several.parallel_config = ParallelConfig(_api_process_count=3)
+    configure(several, AdmissionSettings())
+    assert len(warnings) == 1
+    assert "--api-server-count 3" in warnings[0]
+    assert "up to 3x in total" in warnings[0]
+    assert "run --api-server-count 1" in warnings[0]
