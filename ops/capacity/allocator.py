@@ -134,6 +134,7 @@ class KVCapacity:
                  "blocks_per_request": g.blocks_per_request}
                 for g in self.groups
             ],
+            "notes": list(self.notes),
             "log_line": (f"KV cache size: {self.kv_cache_size_tokens:,} tokens, Maximum concurrency "
                          f"for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"),
         }
@@ -259,7 +260,21 @@ def kv_capacity(model: ModelKV, available_bytes: int, flags: SizingFlags) -> KVC
         kv_cache_size_tokens=int(concurrency * flags.max_model_len),
         max_model_len=flags.max_model_len, groups=tuple(groups),
         max_in_flight_tokens=flags.max_in_flight_tokens, mamba_page_padded_bytes=mamba_padded,
+        notes=device_notes(model, flags),
     )
+
+
+def device_notes(model: ModelKV, flags: SizingFlags) -> tuple[str, ...]:
+    """Where the numbers rest on a GPU-generation choice vLLM makes at start-up (gemma4.py, indexer.py)."""
+    notes = []
+    if model.per_layer_head_dims and flags.device == "cuda" and flags.block_size is None:
+        notes.append("Gemma-4 on CUDA: vLLM sizes blocks by the GPU's FlashAttention kernels (16 assumed, as on "
+                     "Hopper with bf16 KV; Blackwell's FA4 head-256 kernel takes 128): pass --block-size as the "
+                     "server logs it")
+    if model.sparse_mla and model.kv_dtype == "fp8_ds_mla":
+        notes.append("sparse MLA fp8 KV sized as fp8_ds_mla (656-byte rows, Hopper's FLASHMLA_SPARSE); "
+                     "Blackwell's FlashInfer sparse MLA keeps plain fp8 rows: plan it with --kv-cache-dtype fp8_e4m3")
+    return tuple(notes)
 
 
 def pp_indices(num_layers: int, rank: int, pp: int, partition: tuple[int, ...] | None = None) -> tuple[int, int]:

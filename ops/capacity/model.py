@@ -69,6 +69,7 @@ class ModelKV:
     draft_layers: int = 0  # drafter (MTP/EAGLE) attention layers after the target's, on the last PP stage
     sparse_mla: bool = False  # DeepSeek-V3.2 index_topk: 64-token blocks, CUDA only (indexer.py)
     num_speculative_tokens: int = 0
+    per_layer_head_dims: bool = False  # Gemma-4: its CUDA block size follows the GPU's FlashAttention kernels
 
     @property
     def is_hybrid(self) -> bool:
@@ -240,7 +241,7 @@ def read_model(
         attn_bytes_per_token_1=per_token,
         max_position_embeddings=max_pos if isinstance(max_pos, int) else None,
         num_decoder_layers=len(kinds), draft_layers=draft_layers, sparse_mla=sparse,
-        num_speculative_tokens=spec.num_speculative_tokens,
+        num_speculative_tokens=spec.num_speculative_tokens, per_layer_head_dims=per_layer is not None,
     )
 
 

@@ -263,6 +263,7 @@ def make_plan(
         raise BadInputError(f"non-KV memory {nonkv_bytes / GIB:.2f} GiB exceeds {util:.2f} of {inp.gpu_total_gib} GiB; "
                             "raise --tensor-parallel-size or use a larger GPU")
     cap = kv_capacity(model, available, flags)
+    notes += cap.notes
     seqs, seqs_why = derive_max_num_seqs(cap, flags, work, inp.risk_quantile, mnbt, default_seqs,
                                          inp.headroom_fraction)
     fp8 = None

@@ -123,6 +123,9 @@ def test_gemma4_layers_get_their_own_head_dims() -> None:
     by_kind = {(layer.kind, layer.bytes_per_token) for layer in model.layers}
     # sliding: 16/2 heads × 2 × 256 × 2 B; global: 4/2 heads × 2 × 512 × 2 B
     assert by_kind == {("sliding", 8 * 2 * 256 * 2), ("full", 2 * 2 * 512 * 2)}
+    default_block = kv_capacity(model, 20 * GIB, SizingFlags(max_model_len=8192))
+    assert "--block-size" in default_block.as_dict()["notes"][0]
+    assert not kv_capacity(model, 20 * GIB, SizingFlags(max_model_len=8192, block_size=128)).notes
     shared = read_model(CONFIGS["kv_shared"])
     assert max(layer.index for layer in shared.layers) == 42 - 18 - 1
 

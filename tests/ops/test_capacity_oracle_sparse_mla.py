@@ -179,6 +179,7 @@ def test_sparse_mla_block_is_64_and_cpu_is_refused() -> None:
     # 61 layers × 64 tokens × (656-byte fp8_ds_mla row + 132-byte indexer row)
     assert (cap.block_size, cap.bytes_per_block) == (64, 61 * 64 * (656 + 132))
     assert model.kv_dtype == "fp8_ds_mla"
+    assert "Blackwell" in cap.as_dict()["notes"][0]  # the GPU-generation assumption is said
     with pytest.raises(BadInputError, match="CPU platform"):
         kv_capacity(model, 20 * GIB, SizingFlags(max_model_len=8192, device="cpu"))
     with pytest.raises(BadInputError, match="multiple of 64"):
