@@ -246,9 +246,13 @@ def kv_capacity(model: ModelKV, available_bytes: int, flags: SizingFlags) -> KVC
     per_request = sum(g.blocks_per_request for g in groups)
     # get_kv_cache_configs (kv_cache_utils.py:2531+): groups come from the whole model, each PP
     # stage sizes its own share of every group, and all workers take the smallest num_blocks.
-    stage_bytes = [max(g.stage_bytes_per_block(first, last) for g in groups)
-                   for first, last in pp_stages(model, flags.pipeline_parallel_size, flags.pp_layer_partition)]
-    stage_bytes = [b for b in stage_bytes if b > 0]
+    stages = pp_stages(model, flags.pipeline_parallel_size, flags.pp_layer_partition)
+    stage_bytes = [max(g.stage_bytes_per_block(first, last) for g in groups) for first, last in stages]
+    for rank, ((first, last), stage_bpb) in enumerate(zip(stages, stage_bytes, strict=True)):
+        if stage_bpb == 0:  # vLLM's allocator fails on a worker without KV layers (ValueError / ZeroDivisionError)
+            raise BadInputError(f"pipeline stage {rank} (decoder layers {first}-{last - 1}) has no layer with its own "
+                                "KV cache (KV-shared or MLP-only layers); vLLM 0.32 cannot start with that split: "
+                                "change --pipeline-parallel-size or --pp-layer-partition")
     for stage_bpb in stage_bytes:
         check_enough_memory(available_bytes, stage_bpb, groups, flags)
     bytes_per_block = max(stage_bytes)

@@ -137,3 +137,32 @@ def test_per_layer_head_dims_outside_gemma4_are_refused() -> None:
         read_model(llama)
     with pytest.raises(BadInputError, match="per_layer_config"):
         read_model({**CONFIGS["bidir_all"], "per_layer_config": {"3": {"sliding_window": 5}}})
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_gemma4_pipeline_parallel_matches_vllm(gemma4_oracle: Gemma4Oracle, pp: int) -> None:
+    """Each stage gets vLLM's get_pp_indices share of the decoder layers (KV-shared ones own no spec)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    for name in ("dense_k_eq_v", "kv_shared"):
+        cfg = CONFIGS[name]
+        for budget, mml in ((int(2.5 * GIB), 4096), (20 * GIB, 32_768)):
+            case = {"budget": budget, "mml": mml, "tp": 1, "kv": "auto", "device": "cuda", "mnbt": 2048}
+            vc = gemma4_oracle.base.vllm_config(cfg, case)
+            vc.parallel_config.pipeline_parallel_size = pp
+            specs = gemma4_oracle.specs(cfg, vc, case)
+            workers = []
+            for rank in range(pp):
+                first, last = get_pp_indices(cfg["num_hidden_layers"], rank, pp)
+                workers.append({k: v for k, v in specs.items() if first <= int(k.split(".")[2]) < last})
+            flags = SizingFlags(max_model_len=mml, pipeline_parallel_size=pp)
+            try:
+                [config, *_] = gemma4_oracle.base.utils.get_kv_cache_configs(vc, workers, [budget] * pp)
+            except ValueError:  # kv_shared at PP3: the last stage owns only KV-shared layers
+                assert not workers[-1]
+                with pytest.raises(BadInputError, match="no layer with its own KV cache"):
+                    kv_capacity(read_model(cfg), budget, flags)
+                continue
+            tokens, conc = gemma4_oracle.base.utils.get_kv_cache_capacity(vc, config)
+            cap = kv_capacity(read_model(cfg), budget, flags)
+            assert (cap.num_blocks, cap.kv_cache_size_tokens, cap.max_concurrency) == (config.num_blocks, tokens, conc)
