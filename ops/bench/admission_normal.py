@@ -99,14 +99,14 @@ def gate_cost(model: Path, kvops_step_s: float | None) -> dict[str, Any]:
 def normal_load_result(rounds: dict[str, Any], cost: dict[str, Any]) -> dict[str, Any]:
     tokens = rounds["tokens_per_s"]
     ratios = block_ratios(tokens["stock"], tokens["kvops"])
-    ci = median_ci(ratios)
+    ci = median_ci(ratios) if ratios else None  # no block completed: no claim
     engine = rounds["engine"]
     stock_rate, kvops_rate = (engine[k]["engine_tokens_per_s"] for k in ("stock", "kvops"))
     bound = cost.get("throughput_ratio_bound")
     return {
-        "normal_load_throughput_ratio": statistics.median(ratios),
-        "normal_load_throughput_ratio_ci95": list(ci),
-        "normal_load_throughput_verdict": verdict_at_least(ci, THRESHOLD),
+        "normal_load_throughput_ratio": statistics.median(ratios) if ratios else None,
+        "normal_load_throughput_ratio_ci95": list(ci) if ci else None,
+        "normal_load_throughput_verdict": verdict_at_least(ci, THRESHOLD) if ci else "inconclusive",
         "normal_load_block_ratios": ratios,
         "normal_load_tokens_per_s": tokens,
         "normal_load_engine": engine,

@@ -77,3 +77,30 @@ def test_interval_is_reproducible_from_its_seed():
 )
 def test_verdict_against_the_threshold(ci, expected):
     assert verdict_at_least(ci, 0.98) == expected
+
+
+def test_bench_result_keeps_the_contract_keys_and_makes_no_claim_from_noise():
+    from kvops.ops.bench.admission_normal import normal_load_result
+
+    engine = {"steps": 100.0, "step_s": 0.02, "tokens_per_step": 3.0, "engine_tokens_per_s": 150.0}
+    rng = random.Random(0)
+    noisy = {"stock": [rng.uniform(80, 600) for _ in range(16)], "kvops": [rng.uniform(80, 600) for _ in range(16)]}
+    result = normal_load_result(
+        {"tokens_per_s": noisy, "engine": {"stock": engine, "kvops": engine}},
+        {"throughput_ratio_bound": 0.9996},
+    )
+    assert result["normal_load_throughput_verdict"] == "inconclusive"
+    low, high = result["normal_load_throughput_ratio_ci95"]
+    assert low < 0.98 < high
+    assert low <= result["normal_load_throughput_ratio"] <= high
+    assert len(result["normal_load_block_ratios"]) == 8
+    assert result["normal_load_cost_verdict_direct"] == "meets"
+    assert result["normal_load_engine_throughput_ratio"] == 1.0
+
+    none = normal_load_result(
+        {"tokens_per_s": {"stock": [0.0, 0.0], "kvops": [1.0, 1.0]}, "engine": {"stock": engine, "kvops": engine}},
+        {},
+    )
+    assert none["normal_load_throughput_ratio"] is None
+    assert none["normal_load_throughput_verdict"] == "inconclusive"
+    assert none["normal_load_cost_verdict_direct"] is None
