@@ -3,9 +3,12 @@ recomputed, the cost of a miss, and LMCache's copy throughput vs a plain memory 
 
 One run, real processes, the reference shape of research/offload_bench.md (8 layers, hidden
 1024, 8 KV heads x head_dim 128 = 32 KiB of KV per token) so the ratios compare with the
-measurements there. Per prompt: (a) cold through the offload server, (c) again after
-/reset_prefix_cache (LMCache L1), (d) again after also clearing L1 (disk); (e) the same prompt
-cold on a server without the connector. Ratios are medians: c/a, d/a, a/e - 1.
+measurements there. The offload server and a server without the connector stay up side by side.
+Per prompt: (a) cold through the offload server, (c) again after /reset_prefix_cache (LMCache
+L1), (d) again after also clearing L1 (disk); ratios are medians of c/a and d/a. The cost of a
+miss is measured apart, in interleaved ABBA blocks of fresh prompts (no connector, offload,
+offload, no connector): a slow stretch of the shared machine hits both sides of a block alike.
+``miss_overhead_ratio`` is the median of the blocks' ratios, reported with their spread.
 
 The transfer mode is the product default (engine_driven); KVOPS_BENCH_OFFLOAD_TRANSFER_MODE=
 lmcache_driven measures the zero-copy /dev/shm path instead (research/offload_bench.md §4).
@@ -37,6 +40,11 @@ REFERENCE_SHAPE = TinyModelSpec(
 )
 PROMPT_TOKENS = 2048
 REPEATS = 3
+MISS_BLOCKS = 4
+IDLE_GAP_S = 1.5
+"""Pause after each request: a vLLM worker spins for 1 s after its last message before it sleeps
+(vllm/distributed/device_communicators/shm_broadcast.py busy_loop_s), so the server that just
+answered is idle again when the other one is measured."""
 OUTPUT_TOKENS = 8
 KV_CACHE_BYTES = 1 << 30
 SERVER_ARGS = ("--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--max-num-seqs", "4")
@@ -52,10 +60,9 @@ def run() -> dict[str, Any]:
             disk_path=str(root / "l2"), disk_gib=2.0,
             transfer_mode=_transfer_mode(),
         )
-        offload = _offload_side(model, prompts, settings, root)
-        baseline = _baseline_side(model, prompts, root)
+        offload = _measure(model, prompts, settings, root)
         memcpy = memcpy_gb_per_s()
-    return _result(offload, baseline, memcpy, settings)
+    return _result(offload, memcpy, settings)
 
 
 def _prompt(seed: int) -> list[int]:
@@ -63,22 +70,28 @@ def _prompt(seed: int) -> list[int]:
     return [rng.randrange(5, REFERENCE_SHAPE.vocab - 1) for _ in range(PROMPT_TOKENS)]
 
 
-def _offload_side(model: Path, prompts: list[list[int]], settings: OffloadSettings,
-                  root: Path) -> dict[str, Any]:
+def _measure(model: Path, prompts: list[list[int]], settings: OffloadSettings,
+             root: Path) -> dict[str, Any]:
     lmcache = lmcache_server(settings, log_path=root / "lmcache.log")
     lmcache.start(health_path="/healthcheck")
+    cfg = json.dumps({"kvops": {"offload": settings.model_dump()}})
+    server = vllm_server(model, (*SERVER_ARGS, "--additional-config", cfg),
+                         log_path=root / "vllm-offload.log", kv_cache_bytes=KV_CACHE_BYTES,
+                         env={"VLLM_SERVER_DEV_MODE": "1"}, name="vllm-offload")
+    baseline = vllm_server(model, SERVER_ARGS, log_path=root / "vllm-baseline.log",
+                           kv_cache_bytes=KV_CACHE_BYTES, name="vllm-baseline")
     try:
-        cfg = json.dumps({"kvops": {"offload": settings.model_dump()}})
-        server = vllm_server(model, (*SERVER_ARGS, "--additional-config", cfg),
-                             log_path=root / "vllm-offload.log", kv_cache_bytes=KV_CACHE_BYTES,
-                             env={"VLLM_SERVER_DEV_MODE": "1"}, name="vllm-offload")
         server.start()
-        try:
-            return _measure_tiers(server, lmcache, model, prompts)
-        finally:
-            server.stop()
-            remove_stale_segments()  # lmcache_driven leaves vLLM's KV segment in /dev/shm
+        baseline.start()
+        tiers = _measure_tiers(server, lmcache, model, prompts)
+        tiers["baseline"] = [ttft(baseline.url, model, prompt) for prompt in prompts][1:]
+        tiers["misses"] = _measure_misses(server, lmcache, baseline, model)
+        tiers["vllm_metrics"] = requests.get(server.url + "/metrics", timeout=10).text
+        return tiers
     finally:
+        baseline.stop()
+        server.stop()
+        remove_stale_segments()  # lmcache_driven leaves vLLM's KV segment in /dev/shm
         lmcache.stop()
 
 
@@ -111,18 +124,39 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
         runs["disk"].append(disk)
         hits["l1"] += middle["hit_tokens_l1"] - before["hit_tokens_l1"]
         hits["disk"] += after["hit_tokens_l2"] - middle["hit_tokens_l2"]
-    metrics = requests.get(server.url + "/metrics", timeout=10).text
-    return {"runs": runs, "hits": hits, "vllm_metrics": metrics}
+    return {"runs": runs, "hits": hits}
 
 
-def _baseline_side(model: Path, prompts: list[list[int]], root: Path) -> list[tuple[float, str]]:
-    server = vllm_server(model, SERVER_ARGS, log_path=root / "vllm-baseline.log",
-                         kv_cache_bytes=KV_CACHE_BYTES, name="vllm-baseline")
-    server.start()
-    try:
-        return [ttft(server.url, model, prompt) for prompt in prompts][1:]
-    finally:
-        server.stop()
+def _measure_misses(server: ManagedServer, lmcache: ManagedServer, baseline: ManagedServer,
+                    model: Path) -> dict[str, list[float]]:
+    """Cold TTFTs of fresh prompts, ABBA per block: (no connector, offload) on one prompt, then
+    (offload, no connector) on the next. Each offload round waits for LMCache's stores to end,
+    so its disk writes do not land in the next round."""
+    ttfts: dict[str, list[float]] = {"baseline": [], "offload": []}
+    for block in range(MISS_BLOCKS):
+        first, second = (_prompt(100 + 2 * block + i) for i in range(2))
+        for side, prompt in (("baseline", first), ("offload", first),
+                             ("offload", second), ("baseline", second)):
+            target = server if side == "offload" else baseline
+            stored = _lmcache(lmcache)["l2_stored_chunks"]
+            ttfts[side].append(ttft(target.url, model, prompt)[0])
+            if side == "offload":
+                _wait_stored(lmcache, stored + PROMPT_TOKENS // 256)
+            time.sleep(IDLE_GAP_S)
+    return ttfts
+
+
+def miss_block_ratios(ttfts: dict[str, list[float]]) -> list[float]:
+    """Per ABBA block: offload / no-connector cold TTFT - 1 (two rounds per side per block)."""
+    base, off = ttfts["baseline"], ttfts["offload"]
+    return [(off[i] + off[i + 1]) / (base[i] + base[i + 1]) - 1 for i in range(0, len(base) - 1, 2)]
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Min, quartiles and max (the quartiles interpolate; with 4 blocks they are ~ the 2nd and
+    3rd smallest)."""
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+    return {"min": min(values), "q1": low, "q3": high, "max": max(values)}
 
 
 def ttft(url: str, model: Path, prompt: list[int]) -> tuple[float, str]:
@@ -154,6 +188,10 @@ def _post(url: str) -> None:
     requests.post(url, timeout=60).raise_for_status()
 
 
+def _wait_stored(lmcache: ManagedServer, chunks: float) -> None:
+    _wait(lambda: _lmcache(lmcache)["l2_stored_chunks"] >= chunks)
+
+
 def _wait(check: Callable[[], bool], timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -183,11 +221,12 @@ def _vllm_sum(metrics: str, name: str) -> float:
                for sample in family.samples if sample.name == name)
 
 
-def _result(offload: dict[str, Any], baseline: list[tuple[float, str]], memcpy: float,
-            settings: OffloadSettings) -> dict[str, Any]:
-    runs = offload["runs"]
+def _result(offload: dict[str, Any], memcpy: float, settings: OffloadSettings) -> dict[str, Any]:
+    runs, baseline = offload["runs"], offload["baseline"]
     median = {tier: statistics.median(t for t, _ in runs[tier]) for tier in runs}
-    baseline_s = statistics.median(t for t, _ in baseline)
+    misses = offload["misses"]
+    baseline_s = statistics.median(misses["baseline"])
+    blocks = miss_block_ratios(misses)
     texts = [text for tier in runs for _, text in runs[tier]]
     identical = all(text == baseline[i % len(baseline)][1] for i, text in enumerate(texts))
     metrics = offload["vllm_metrics"]
@@ -198,7 +237,10 @@ def _result(offload: dict[str, Any], baseline: list[tuple[float, str]], memcpy: 
         "prompt_tokens": PROMPT_TOKENS,
         "l1_ttft_ratio": median["l1"] / median["cold"],
         "disk_ttft_ratio": median["disk"] / median["cold"],
-        "miss_overhead_ratio": median["cold"] / baseline_s - 1,
+        "miss_overhead_ratio": statistics.median(blocks),
+        "miss_overhead_spread": spread(blocks),
+        "miss_overhead_blocks": blocks,
+        "miss_ttft_s": {"no_connector": baseline_s, "offload": statistics.median(misses["offload"])},
         "copy_fraction_of_memcpy": load_gb_s / memcpy,
         # lmcache_driven stores are submitted in the step and copied later by the server, so the
         # step time says nothing about copy speed there.
