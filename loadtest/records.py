@@ -51,7 +51,9 @@ class RequestRecord:
 
     @property
     def first_token_at(self) -> float | None:
-        return None if self.ttft_s is None else self.sent_at + self.ttft_s
+        """When the first token came out: its event, even without text (prefill was done)."""
+        first = self.first_event_s if self.first_event_s is not None else self.ttft_s
+        return None if first is None else self.sent_at + first
 
     @property
     def done_at(self) -> float:

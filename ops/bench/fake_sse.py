@@ -1,7 +1,7 @@
 """A minimal OpenAI-style SSE server, for measuring the load generator rather than vLLM.
 
-``python -m kvops.ops.bench.fake_sse PORT [EVENTS] [PACE_MS]``: every completion streams EVENTS
-token events of ~230 bytes (the size of a vLLM completion event) PACE_MS apart, so each event
+``python -m kvops.ops.bench.fake_sse PORT [EVENTS] [PACE_MS] [TEXT]``: every completion streams
+EVENTS token events (each with TEXT, default " tok") of ~230 bytes (the size of a vLLM completion event) PACE_MS apart, so each event
 arrives in its own read, as from a real server (research/loadgen_bench.md used the same idea).
 It runs on gevent's WSGI server (one greenlet per connection, no thread per request), so that
 on a shared machine the load generator, not this server, is what runs out first.
@@ -19,10 +19,11 @@ EVENT = {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": 
                       "stop_reason": None, "token_ids": None, "prompt_logprobs": None}]}
 
 
-def app(events: int, pace_s: float) -> Callable[..., Any]:
+def app(events: int, pace_s: float, text: str = " tok") -> Callable[..., Any]:
     import gevent
 
-    token = b"data: " + json.dumps(EVENT).encode() + b"\n\n"
+    event = {**EVENT, "choices": [{**EVENT["choices"][0], "text": text}]}  # type: ignore[index]
+    token = b"data: " + json.dumps(event).encode() + b"\n\n"
     usage = b"data: " + json.dumps({"id": "cmpl-fake", "choices": [], "usage": {
         "prompt_tokens": 8, "completion_tokens": events, "total_tokens": 8 + events}}).encode() + b"\n\n"
     models = json.dumps({"data": [{"id": "fake"}]}).encode()
@@ -52,7 +53,8 @@ def main(argv: list[str]) -> None:
     port = int(argv[0])
     events = int(argv[1]) if len(argv) > 1 else 16
     pace_ms = float(argv[2]) if len(argv) > 2 else 5.0
-    WSGIServer(("127.0.0.1", port), app(events, pace_ms / 1000.0), log=None).serve_forever()
+    text = argv[3] if len(argv) > 3 else " tok"
+    WSGIServer(("127.0.0.1", port), app(events, pace_ms / 1000.0, text), log=None).serve_forever()
 
 
 if __name__ == "__main__":

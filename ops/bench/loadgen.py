@@ -44,6 +44,7 @@ RATES_RPS = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 STEP_S = 12.0
 INPUT_WORDS, OUTPUT_TOKENS = 120, 16  # 120 words are ~129 tokens of the tiny model's tokenizer
 ERROR_BUDGET_MS = 10.0
+STALL_S = 0.5
 LATE_BUDGET_MS = 10.0
 FAKE_RATES_RPS = tuple(100.0 * 2**i for i in range(8))  # 100 … 12,800: the ramp stops first
 FAKE_STEP_S = 8.0
@@ -56,6 +57,24 @@ def _scenario(path: Path, users: int, max_tokens: int) -> Path:
     path.write_text(f"workload: {{prompt_words: {INPUT_WORDS}, max_tokens: {max_tokens}}}\n"
                     f"users: {users}\nscrape_interval_s: 600\n")
     return path
+
+
+def syn_retransmits() -> int | None:
+    """Machine-wide TCP SYN retransmissions (Linux /proc/net/netstat): a dropped SYN costs a
+    connecting client 1 s (the initial RTO) that no server histogram sees."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return None
+    for head, values in zip(lines[::2], lines[1::2], strict=False):
+        if head.startswith("TcpExt:"):
+            row = dict(zip(head.split()[1:], values.split()[1:], strict=False))
+            return int(row["TCPSynRetrans"]) if "TCPSynRetrans" in row else None
+    return None
+
+
+def _delta(after: int | None, before: int | None) -> int | None:
+    return None if after is None or before is None else after - before
 
 
 def _children_cpu_s() -> float:
@@ -82,7 +101,7 @@ def ours(url: str, work: Path, rate: float, *, duration_s: float = STEP_S, users
     name = f"ours-{rate:g}{tag}"
     pool = users or max(32, int(rate * 4))
     work.mkdir(parents=True, exist_ok=True)
-    cpu, started = _children_cpu_s(), time.monotonic()
+    cpu, started, syns = _children_cpu_s(), time.monotonic(), syn_retransmits()
     result = run_loadtest(LoadtestRequest(
         "ttft-regression", url, work / name, duration_s=duration_s, rate=rate,
         scenario_file=_scenario(work / f"{name}.yaml", pool, max_tokens)))
@@ -90,8 +109,8 @@ def ours(url: str, work: Path, rate: float, *, duration_s: float = STEP_S, users
     samples = [MetricsSample.from_dict(r) for r in read_jsonl(Path(result["files"]["metrics"]))]
     client, summary = result["client"], result["ttft"]["summary"]
     server_p50 = bucket_quantile(samples[0], samples[-1], 0.5) if len(samples) >= 2 else None
-    firsts = [float(r["first_event_s"]) for r in read_jsonl(Path(result["files"]["records"]))
-              if r.get("first_event_s") is not None]
+    rows = list(read_jsonl(Path(result["files"]["records"])))
+    firsts = [float(r["first_event_s"]) for r in rows if r.get("first_event_s") is not None]
     client_p50 = bucketed_p50(firsts, samples[-1]) if samples else None
     step = {
         "rate_rps": rate, "users": pool, "requests": client["requests"], "ok": client["ok"],
@@ -113,6 +132,10 @@ def ours(url: str, work: Path, rate: float, *, duration_s: float = STEP_S, users
         "first_event_without_text": client["first_event_without_text"],
         "client_cpu_s": round(cpu, 2), "client_cpu_fraction": round(cpu / wall, 3),
         "load_average_1m": round(os.getloadavg()[0], 2),
+        # requests that waited over STALL_S for their response headers: the time is spent before
+        # the server's clock starts (connecting, sending, the API process accepting)
+        "stalled_before_headers": sum(1 for r in rows if (r.get("headers_s") or 0.0) > STALL_S),
+        "syn_retransmits_machine": _delta(syn_retransmits(), syns),
     }
     return step
 
@@ -237,7 +260,8 @@ def _fake_step(url: str, work: Path, rate: float) -> dict[str, Any]:
     step = ours(url, work / "fake", rate, duration_s=FAKE_STEP_S, users=users, max_tokens=FAKE_EVENTS)
     keep = ("rate_rps", "users", "requests", "errors", "arrival_rate_rps", "completion_rate_rps",
             "lateness_p50_ms", "lateness_p99_ms", "first_event_p50_ms", "first_event_mean_ms",
-            "client_cpu_fraction", "load_average_1m")
+            "client_cpu_fraction", "load_average_1m", "stalled_before_headers",
+            "syn_retransmits_machine")
     # the fake server has no histogram: its TTFT is ~0, so the client's p50 is the error itself
     out = judge({k: step[k] for k in keep}, 0.0)
     failed = [f for f in out["failed_on"] if f != "ttft error"]
@@ -290,11 +314,22 @@ def summarize(mine: list[dict[str, Any]], theirs: list[dict[str, Any]], fake: li
         "error_budget_ms": ERROR_BUDGET_MS, "rate_rps": light["rate_rps"], "step_s": STEP_S,
         "output_tokens": OUTPUT_TOKENS,
         "limited_by": _limited_by(mine, theirs),
+        "ttft_error_explained": _explained(light, light_bench),
         "fake_server_max_rate_rps": _best(fake),
         "fake_server_ceiling_found": bool(fake) and not fake[-1]["sustained"],
         "ours_steps": mine, "vllm_bench_steps": theirs, "fake_server_steps": fake,
         "bench_seconds": round(seconds, 1),
     }
+
+
+def _explained(light: dict[str, Any], bench: dict[str, Any]) -> str:
+    return (f"at {light['rate_rps']:g} req/s our first event reads {light['ttft_error_ms_mean']} ms "
+            f"from the server's mean TTFT and vllm bench serve {bench.get('ttft_error_ms_mean')} ms "
+            "(both count the first event with choices, as the server counts the first token); our "
+            f"first text comes {light['ttft_after_first_event_ms_mean']} ms later on average because "
+            f"{light['first_event_without_text']} of {light['ok']} first events carried no text "
+            "(the detokenizer holds partial UTF-8 back); the earlier bench set first text against "
+            "the server's first token and so counted these ITLs as error")
 
 
 def _limited_by(mine: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> str:

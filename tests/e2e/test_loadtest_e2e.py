@@ -159,6 +159,22 @@ def test_kv_exhaustion_failing_requests(two_seqs, tmp_path):
     assert all(r["status"] == 400 for r in failed), {r["error"] for r in failed}
 
 
+def test_kv_exhaustion_compute_bound_by_the_token_budget(vllm, tiny_model, tmp_path):
+    # a step schedules at most 32 tokens: ~650-token prompts prefill in ~20 chunks while new
+    # requests wait, with sequences (32) and KV (1 GiB) to spare
+    server = vllm(tiny_model, "--max-model-len", "2048", "--max-num-batched-tokens", "32",
+                  "--max-num-seqs", "32")
+    scenario = tmp_path / "budget.yaml"
+    scenario.write_text("workload: {prompt_words: 600, max_tokens: 8}\nsteps: [1, 2, 4, 8]\nstep_s: 8\n")
+    _, result = loadtest(tmp_path, "kv-exhaustion", server.url, "--scenario-file", str(scenario))
+    (verdict,) = result["verdicts"]
+    assert (verdict["problem"], verdict["cause"]) == ("kv-exhaustion", "compute-bound"), verdict
+    ev = verdict["evidence"]
+    assert ev["running_max"] < 32
+    assert ev["kv_usage_max"] < 0.5
+    assert ev["preemptions"] == 0
+
+
 def _server_ttft(url: str) -> tuple[float, float]:
     import requests
 
