@@ -61,8 +61,8 @@ def _fail_fast(hook: Any, vllm_config: Any) -> None:
     try:
         hook(vllm_config)
     except KvopsPluginError as exc:
-        _say_refusal(str(exc))
-        raise SystemExit(2) from None
+        # vLLM rebuilds the config in the engine core too (the preflight runs again there).
+        refuse_in_engine(str(exc))
 
 
 def _say_refusal(message: str) -> None:
@@ -80,6 +80,8 @@ def arm_engine_refusal() -> None:
     that prints that reason as our one line and exits 2 instead of raising with a traceback."""
     import vllm.v1.engine.utils as engine_utils
 
+    if os.environ.get(FRONTEND_PID_ENV, str(os.getpid())) != str(os.getpid()):
+        return  # an engine core rebuilding the config: its front end armed it already
     # Created only by a refusing process (O_EXCL, an unguessable name), so a server that starts
     # and stops normally leaves nothing behind.
     note = Path(tempfile.gettempdir()) / f"kvops-refusal-{os.getpid()}-{secrets.token_hex(8)}"
@@ -115,14 +117,16 @@ def _take_note() -> str | None:
     return reason or None
 
 
-def refuse_in_engine(message: str, *, worker: bool) -> NoReturn:
-    """Stop ``vllm serve`` from an engine or worker process with one line and exit code 2.
+def refuse_in_engine(message: str) -> NoReturn:
+    """Stop ``vllm serve`` from any of its processes with one line and exit code 2.
 
-    Raising would not do it: the worker's exception travels to the engine core as a string, the
+    In the front end (or with no armed front end) that is the line and SystemExit. Below it,
+    raising would not do: a worker's exception travels to the engine core as a string, the
     engine core and multiprocessing log it with tracebacks, and the front end raises its own.
-    So the reason goes to the note the front end armed, a worker takes its engine core down
-    first (a worker is the engine core's child, vllm/v1/executor/multiproc_executor.py), and the
-    process exits at once; the front end's wait sees the engine gone and says the reason.
+    So the reason goes to the note the front end armed, a worker (a process whose parent is not
+    the front end: the engine core's child, vllm/v1/executor/multiproc_executor.py) takes its
+    engine core down first, and the process exits at once; the front end's wait sees the engine
+    gone and says the reason.
     """
     frontend = os.environ.get(FRONTEND_PID_ENV)
     note = os.environ.get(REFUSAL_NOTE_ENV)
@@ -132,7 +136,7 @@ def refuse_in_engine(message: str, *, worker: bool) -> NoReturn:
     fd = os.open(note, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, message.encode())
     os.close(fd)
-    if worker and os.getppid() != int(frontend):
+    if os.getppid() != int(frontend):
         os.kill(os.getppid(), signal.SIGKILL)
     os._exit(2)
 

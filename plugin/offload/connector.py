@@ -56,7 +56,7 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
             refuse_in_engine(
                 f"LMCache server {self._kvops_server} passed the preflight but does not answer "
                 f"the engine's connect ({_first_line(exc)}): check its log and restart it "
-                f"({SERVE_HINT}), then start vLLM again", worker=role == KVConnectorRole.WORKER,
+                f"({SERVE_HINT}), then start vLLM again"
             )
 
     # -- scheduler side ------------------------------------------------------------------------

@@ -23,7 +23,7 @@ time.sleep(60)  # must not get here: the refusing worker kills this process firs
 """
 WORKER = """
 from kvops.plugin._compat import refuse_in_engine
-refuse_in_engine("LMCache server tcp://127.0.0.1:1 does not answer", worker=True)
+refuse_in_engine("LMCache server tcp://127.0.0.1:1 does not answer")
 """
 
 
@@ -44,7 +44,7 @@ def test_a_refusing_worker_takes_its_engine_core_down_quietly(tmp_path: Path):
 def test_a_refusing_engine_core_exits_2_and_leaves_the_reason(tmp_path: Path):
     note = tmp_path / "note"
     code = ("from kvops.plugin._compat import refuse_in_engine\n"
-            "refuse_in_engine('no LMCache', worker=False)")
+            "refuse_in_engine('no LMCache')")
     done = subprocess.run([sys.executable, "-c", code], env=_env(note), capture_output=True,
                           text=True, timeout=60, check=False)
     assert (done.returncode, done.stderr) == (2, "")
@@ -54,7 +54,7 @@ def test_a_refusing_engine_core_exits_2_and_leaves_the_reason(tmp_path: Path):
 def test_without_a_separate_front_end_the_line_is_printed_here(monkeypatch, capsys):
     monkeypatch.delenv(_compat.FRONTEND_PID_ENV, raising=False)
     with pytest.raises(SystemExit) as stop:
-        _compat.refuse_in_engine("no  LMCache\nat all", worker=True)
+        _compat.refuse_in_engine("no  LMCache\nat all")
     assert stop.value.code == 2
     assert capsys.readouterr().err == "kvops: refusing to start: no LMCache at all\n"
 
@@ -81,6 +81,13 @@ def test_front_end_says_the_engine_refusal_in_one_line(engine_utils, capsys):
     assert stop.value.code == 2
     assert capsys.readouterr().err == "kvops: refusing to start: LMCache went away\n"
     assert not Path(os.environ[_compat.REFUSAL_NOTE_ENV]).exists()
+
+
+def test_an_engine_core_rebuilding_the_config_keeps_its_front_ends_note(engine_utils, monkeypatch):
+    note = os.environ[_compat.REFUSAL_NOTE_ENV]
+    monkeypatch.setenv(_compat.FRONTEND_PID_ENV, str(os.getppid()))  # as an engine core sees it
+    _compat.arm_engine_refusal()
+    assert os.environ[_compat.REFUSAL_NOTE_ENV] == note
 
 
 def test_front_end_leaves_other_engine_failures_to_vllm(engine_utils):
