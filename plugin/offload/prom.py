@@ -30,10 +30,20 @@ SERVER_METRICS: dict[str, tuple[str, str]] = {
     "lmcache_mp_l2_usage_bytes": ("kvops_offload_server_usage_bytes", "l2"),
     "lmcache_mp_l2_evicted_objects_chunks_total": ("kvops_offload_server_evicted_chunks", "l2"),
 }
+# LMCache counts L2 stores submitted and stored, not failed (a failed store only logs a
+# WARNING, storage_controllers/store_controller.py _finalize_store): the difference is what is
+# in flight or failed, and it grows while the disk tier is full or read-only.
+UNSTORED = ("kvops_offload_server_unstored_chunks", "l2")
+STORE_BALANCE = {
+    "lmcache_mp_l2_store_submitted_objects_chunks_total": 1.0,
+    "lmcache_mp_l2_store_completed_objects_chunks_total": -1.0,
+}
 SERVER_DOCS = {
     "kvops_offload_server_hit_tokens": "Prompt tokens the LMCache server found, by tier (server-wide)",
     "kvops_offload_server_usage_bytes": "Bytes the LMCache server holds, by tier (server-wide)",
     "kvops_offload_server_evicted_chunks": "Chunks the LMCache server evicted, by tier (server-wide)",
+    "kvops_offload_server_unstored_chunks": "Chunks submitted to a tier and not stored there: in "
+                                            "flight or failed; growing = stores fail (server-wide)",
 }
 
 
@@ -152,4 +162,7 @@ def server_values(text: str) -> dict[tuple[str, str], float]:
             target = SERVER_METRICS.get(sample.name)
             if target is not None:
                 values[target] = values.get(target, 0.0) + float(sample.value)
+            sign = STORE_BALANCE.get(sample.name)
+            if sign is not None:
+                values[UNSTORED] = values.get(UNSTORED, 0.0) + sign * float(sample.value)
     return values

@@ -175,6 +175,9 @@ def _assert_fault_is_survived_and_loud(server: ManagedServer, model: Path, lmcac
     after_submitted, after_completed = _stores(lmcache)
     assert after_submitted - submitted == 2
     assert after_completed == completed
+    unstored = after_submitted - after_completed
+    wait_for("the plugin to mirror LMCache's unstored chunks", lambda: metric(
+        server.url, "kvops_offload_server_unstored_chunks", tier="l2") == unstored)
     log = server.log_path.read_text(errors="replace")
     assert "kvops offload DISK DEGRADED" in log
     assert reason in log
@@ -186,9 +189,10 @@ def _assert_fault_is_survived_and_loud(server: ManagedServer, model: Path, lmcac
 def _assert_recovered(server: ManagedServer, model: Path, lmcache: Lmcache, seed: int) -> None:
     wait_for("kvops_offload_disk_degraded == 0",
              lambda: metric(server.url, "kvops_offload_disk_degraded") == 0, timeout_s=60)
-    _, completed = _stores(lmcache)
+    submitted, completed = _stores(lmcache)
     complete(server.url, model, token_prompt(seed))
     wait_for("the new prefix on disk", lambda: _stores(lmcache)[1] >= completed + 2)
+    assert _stores(lmcache)[0] - _stores(lmcache)[1] == submitted - completed  # none failed
     assert "takes writes again" in server.log_path.read_text(errors="replace")
 
 
