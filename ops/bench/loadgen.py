@@ -40,7 +40,7 @@ from kvops.loadtest.runner import LoadtestRequest
 from kvops.loadtest.runner import run as run_loadtest
 from kvops.ops.launch import ManagedServer, free_port, log_tail, vllm_executable, vllm_server
 
-RATES_RPS = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+RATES_RPS = tuple(2.0 * 2**i for i in range(9))  # 2 … 512: the ramp stops when both tools fail
 STEP_S = 12.0
 INPUT_WORDS, OUTPUT_TOKENS = 120, 16  # 120 words are ~129 tokens of the tiny model's tokenizer
 ERROR_BUDGET_MS = 10.0
