@@ -16,6 +16,7 @@ affects very differently.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,10 @@ CONCURRENCY = 3  # 3 x 3 blocks (prompt + 100 tokens): inside 16 blocks, nothing
 PER_WORKER = 1
 MAX_TOKENS = 100
 BLOCKS = 8  # ABBA blocks: 32 short rounds
+IDLE_GAP_S = 1.5
+"""Pause before each round: a vLLM server keeps polling its shared-memory queue for 1 s after
+its last work (vllm/distributed/device_communicators/shm_broadcast.py busy_loop_s), which would
+take a core from the other server measured right after it."""
 _ITL = "vllm:inter_token_latency_seconds"
 _ITER = "vllm:iteration_tokens_total"
 ENGINE_METRICS = (f"{_ITL}_sum", f"{_ITL}_count", f"{_ITER}_sum", f"{_ITER}_count")
@@ -35,6 +40,7 @@ ENGINE_METRICS = (f"{_ITL}_sum", f"{_ITL}_count", f"{_ITER}_sum", f"{_ITER}_coun
 
 def one_round(url: str, make_body: Callable[[int], dict[str, Any]]) -> tuple[float, dict[str, float]]:
     """Tokens/s of one closed-loop round, and the deltas of vLLM's engine metrics over it."""
+    time.sleep(IDLE_GAP_S)
     before = scrape_sums(url, ENGINE_METRICS)
     outcomes, wall_s = closed_loop(url, make_body, CONCURRENCY, PER_WORKER)
     after = scrape_sums(url, ENGINE_METRICS)
