@@ -13,12 +13,21 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TransferMode = Literal["engine_driven", "lmcache_driven"]
 ServerTransferMode = Literal["engine_driven", "lmcache_driven", "auto"]
+LMCacheMode = Literal["server", "in_process"]
 
 
 class OffloadSettings(BaseModel):
     """Where the LMCache server is and how it stores KV (GiB are 2^30 bytes)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lmcache_mode: LMCacheMode = "server"
+    """Where LMCache runs. server: a separate ``lmcache server`` (``kvops offload serve``) and
+    our KVOpsOffloadConnector over vLLM's LMCacheMPConnector; works on CPU and GPU. in_process:
+    vLLM's LMCacheConnectorV1 inside the vLLM workers, sized from l1_gib, disk_path/disk_gib and
+    chunk_size (kvops.plugin.offload.inprocess); CUDA only, refused elsewhere; no server needed,
+    and host/ports/transfer modes/verify_kv/heartbeat_s and the kvops_offload_* metrics do not
+    apply."""
 
     host: str = "127.0.0.1"
     """Host of the LMCache server (its ZMQ port and its HTTP API)."""

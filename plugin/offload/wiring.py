@@ -7,10 +7,17 @@ starts, so a wrong setup stops ``vllm serve`` at once instead of after LMCache's
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from kvops.plugin.errors import KvopsPluginError
 from kvops.plugin.offload import CONNECTOR_NAME
+from kvops.plugin.offload.inprocess import (
+    IN_PROCESS_CONNECTOR,
+    apply_lmcache_env,
+    names_in_process_connector,
+    unsupported_reason,
+)
 from kvops.plugin.offload.preflight import (
     check_disk_dir,
     check_server,
@@ -26,26 +33,53 @@ KVOPS_EXTRA_KEY = "kvops.offload"
 """Extra-config key that carries the settings to the connector and its metrics (all processes)."""
 
 
-def ensure_connector(vllm_config: Any, settings: OffloadSettings | None) -> None:
+def _device_type() -> str:
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def ensure_connector(
+    vllm_config: Any, settings: OffloadSettings | None, device_type: str | None = None
+) -> None:
     """With offload settings and no --kv-transfer-config, use our connector (one flag is enough).
 
     Must run before vLLM's platform hook: the CPU platform sizes its core reservation from the
     connector (vllm/platforms/cpu.py, "reserve one more core for nixl_connector").
     """
     transfer = getattr(vllm_config, "kv_transfer_config", None)
+    device = device_type or _device_type()
+    in_process_on_cpu = device == "cpu" and names_in_process_connector(transfer)
     if settings is None:
+        if in_process_on_cpu:
+            # Without a kvops offload section the operator has not asked kvops to manage
+            # offload, and the plugin changes nothing unasked (it is loaded into every vLLM
+            # process): so no refusal, but one loud line instead of LMCache's silent degradation.
+            logger.warning("kvops: %s", unsupported_reason(device))
+            return
         if transfer is not None and transfer.kv_connector == CONNECTOR_NAME:
             raise KvopsPluginError(
                 f"--kv-transfer-config names {CONNECTOR_NAME} but the kvops settings have no "
                 "'offload' section: add --additional-config '{\"kvops\": {\"offload\": {...}}}'"
             )
         return
+    if in_process_on_cpu:
+        raise KvopsPluginError(unsupported_reason(device))
+    wanted = IN_PROCESS_CONNECTOR if settings.lmcache_mode == "in_process" else CONNECTOR_NAME
+    if settings.lmcache_mode == "in_process" and device != "cuda":
+        raise KvopsPluginError(unsupported_reason(device))
     if transfer is None:
         from vllm.config import KVTransferConfig
 
-        vllm_config.kv_transfer_config = KVTransferConfig(
-            kv_connector=CONNECTOR_NAME, kv_role="kv_both"
-        )
+        vllm_config.kv_transfer_config = KVTransferConfig(kv_connector=wanted, kv_role="kv_both")
+        return
+    if settings.lmcache_mode == "in_process":
+        if not names_in_process_connector(transfer):
+            raise KvopsPluginError(
+                f"kvops.offload.lmcache_mode is in_process but --kv-transfer-config uses "
+                f'{transfer.kv_connector!r}: use "kv_connector":"{IN_PROCESS_CONNECTOR}" or drop '
+                "--kv-transfer-config"
+            )
         return
     if transfer.kv_connector != CONNECTOR_NAME:
         raise KvopsPluginError(
@@ -56,6 +90,9 @@ def ensure_connector(vllm_config: Any, settings: OffloadSettings | None) -> None
 
 def configure(vllm_config: Any, settings: OffloadSettings) -> None:
     """Preflight against the live server, then write the connector's extra config."""
+    if settings.lmcache_mode == "in_process":
+        configure_in_process(vllm_config, settings)
+        return
     block_size = int(vllm_config.cache_config.block_size)
     if settings.disk_path is not None and settings.host in LOCAL_HOSTS:
         check_disk_dir(settings.disk_path, settings.disk_gib)
@@ -87,4 +124,15 @@ def configure(vllm_config: Any, settings: OffloadSettings) -> None:
     extra[KVOPS_EXTRA_KEY] = settings.model_dump()
     # An offload tier is a cache: a failed load must recompute, not fail the request
     # (vllm/config/kv_transfer.py kv_load_failure_policy defaults to "fail").
+    vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
+
+
+def configure_in_process(vllm_config: Any, settings: OffloadSettings) -> None:
+    """LMCacheConnectorV1 (CUDA; unexercised on this CPU-only project machine): the same disk
+    preflight, then LMCache's sizes as LMCACHE_* variables the engine processes inherit."""
+    if settings.disk_path is not None:
+        check_disk_dir(settings.disk_path, settings.disk_gib)
+    apply_lmcache_env(os.environ, settings)
+    logger.info("kvops offload: in-process LMCache (%s), L1 %.3g GiB, chunk size %d",
+                IN_PROCESS_CONNECTOR, settings.l1_gib, settings.chunk_size)
     vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
