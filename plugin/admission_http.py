@@ -93,12 +93,14 @@ class FrontDoor:
         return self._policy
 
     def check(
-        self, vllm_config: Any, shapes: list[RequestShape], n: int, request_states: Any
+        self, vllm_config: Any, shapes: list[RequestShape], n: int, request_states: Any,
+        field: str = "max_tokens", has_n: bool = True,
     ) -> Rejection | None:
-        """The decision for one HTTP request (one or more prompts, each with n samples)."""
+        """The decision for one HTTP request (one or more prompts, each with n samples);
+        ``field``/``has_n`` word the 400 in the terms of the request's API."""
         policy = self.policy_for(vllm_config)
         for shape in shapes:
-            why = policy.never_fits(shape, n, self.settings.max_request_fraction)
+            why = policy.never_fits(shape, n, self.settings.max_request_fraction, field, has_n)
             if why is not None:
                 _count("rejected", "never_fits")
                 return Rejection(400, "never_fits", why)
@@ -276,7 +278,8 @@ def decide(serving: Any, request: Any, engine_inputs: list[Any]) -> Any | None:
     engine = serving.engine_client
     states = getattr(getattr(engine, "output_processor", None), "request_states", None)
     n = int(getattr(request, "n", None) or 1)  # the responses API has no n
-    rejection = front.check(engine.vllm_config, shapes, n, states)
+    rejection = front.check(engine.vllm_config, shapes, n, states,
+                            max_tokens_field(request), hasattr(request, "n"))
     if rejection is None:
         return None
     from http import HTTPStatus

@@ -185,21 +185,28 @@ class AdmissionPolicy:
         per_sequence = blocks_for_tokens(self.worst_tokens(shape), self.budget.block_size)
         return n * per_sequence * self.budget.block_size
 
-    def never_fits(self, shape: RequestShape, n: int = 1, max_request_fraction: float = 1.0) -> str | None:
+    def never_fits(
+        self, shape: RequestShape, n: int = 1, max_request_fraction: float = 1.0,
+        field: str = "max_tokens", has_n: bool = True,
+    ) -> str | None:
         """Why a request can never be served within its worst case, or None when it can.
 
         The limit is a fraction of the whole cache; n parallel samples count n times (vLLM fans
-        them out into n sequences, v1/engine/async_llm.py add_request).
+        them out into n sequences, v1/engine/async_llm.py add_request). ``field`` names the
+        request's output limit in the message (max_output_tokens on /v1/responses, which has
+        no n: ``has_n`` False).
         """
         need = self.request_kv_tokens(shape, n)
         limit = int(self.budget.usable_tokens * max_request_fraction)
         if need <= limit:
             return None
-        ask = "max_tokens unset (= max_model_len)" if shape.max_tokens is None else f"max_tokens {shape.max_tokens}"
+        ask = f"{field} unset (= max_model_len)" if shape.max_tokens is None else f"{field} {shape.max_tokens}"
+        per_request = f"n={n} x (prompt {shape.prompt_tokens} + {ask})" if has_n else (
+            f"prompt {shape.prompt_tokens} + {ask}")
         return (
-            f"request needs up to {need} KV tokens (n={n} x (prompt {shape.prompt_tokens} + {ask}), "
+            f"request needs up to {need} KV tokens ({per_request}, "
             f"rounded to {self.budget.block_size}-token blocks) but this server admits at most "
-            f"{limit} KV tokens per request; lower max_tokens or n"
+            f"{limit} KV tokens per request; lower {field}{' or n' if has_n else ''}"
         )
 
     def waiting_behind_budget(

@@ -51,6 +51,8 @@ def test_responses_that_can_never_fit_get_400_with_the_limit(server, tiny_model)
         error = resp.json()["error"]
         assert f"at most {limit} KV tokens" in error["message"]
         assert error["param"] == "max_output_tokens"
+        assert "; lower max_output_tokens" in error["message"]  # the API's own terms:
+        assert "n=" not in error["message"]  # no max_tokens, no n on /v1/responses
     ok = requests.post(server.url + "/v1/responses", json={**base, "max_output_tokens": 8}, timeout=120)
     assert ok.status_code == 200, ok.text
     assert 1 <= ok.json()["usage"]["output_tokens"] <= 8  # "incomplete" when cut at 8

@@ -265,6 +265,20 @@ def test_never_fits_iff_worst_case_exceeds_the_cache(n, prompt, max_tokens):
         assert "\n" not in why
 
 
+def test_never_fits_speaks_the_requests_api():
+    policy = AdmissionPolicy(KVBudget(8, BLOCK, 1 << 20), "strict")
+    shape = RequestShape(10, 10 * 8 * BLOCK)
+    chat = policy.never_fits(shape, 2)
+    assert chat is not None
+    assert chat.endswith("lower max_tokens or n")
+    assert "n=2 x (prompt 10 + max_tokens 1280)" in chat
+    responses = policy.never_fits(shape, 1, field="max_output_tokens", has_n=False)
+    assert responses is not None
+    assert responses.endswith("lower max_output_tokens")
+    assert "(prompt 10 + max_output_tokens 1280," in responses
+    assert "n=" not in responses
+
+
 @given(
     st.integers(0, 500), st.integers(0, 10**6), st.floats(0.0, 50.0), st.integers(1, 4),
     st.one_of(st.none(), st.integers(1, 200)), st.one_of(st.none(), st.integers(1, 10**6)),
