@@ -29,6 +29,7 @@ from kvops.plugin.offload.settings import OffloadSettings
 logger = logging.getLogger("vllm.plugins.kvops.offload")
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+IN_PROCESS_WARNED_ENV = "KVOPS_IN_PROCESS_WARNED"
 KVOPS_EXTRA_KEY = "kvops.offload"
 """Extra-config key that carries the settings to the connector and its metrics (all processes)."""
 
@@ -55,7 +56,11 @@ def ensure_connector(
             # Without a kvops offload section the operator has not asked kvops to manage
             # offload, and the plugin changes nothing unasked (it is loaded into every vLLM
             # process): so no refusal, but one loud line instead of LMCache's silent degradation.
-            logger.warning("kvops: %s", unsupported_reason(device))
+            # vLLM rebuilds the config in the engine core, which inherits this environment:
+            # the marker keeps it to one line per server.
+            if os.environ.get(IN_PROCESS_WARNED_ENV) != "1":
+                logger.warning("kvops: %s", unsupported_reason(device))
+                os.environ[IN_PROCESS_WARNED_ENV] = "1"
             return
         if transfer is not None and transfer.kv_connector == CONNECTOR_NAME:
             raise KvopsPluginError(

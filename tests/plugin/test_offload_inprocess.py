@@ -22,7 +22,7 @@ from kvops.plugin.offload.inprocess import (
     names_in_process_connector,
 )
 from kvops.plugin.offload.settings import OffloadSettings
-from kvops.plugin.offload.wiring import configure, ensure_connector
+from kvops.plugin.offload.wiring import IN_PROCESS_WARNED_ENV, configure, ensure_connector
 
 MULTI = {"connectors": [{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}]}
 
@@ -96,11 +96,13 @@ def test_cpu_with_an_offload_section_refuses_naming_the_fix(connector, extra):
     assert "kvops offload serve" in str(info.value)
 
 
-def test_cpu_without_an_offload_section_warns_once_and_changes_nothing(caplog):
+def test_cpu_without_an_offload_section_warns_once_and_changes_nothing(caplog, monkeypatch):
+    _forget_env_after_test(monkeypatch, [IN_PROCESS_WARNED_ENV])
     transfer = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
     config = SimpleNamespace(kv_transfer_config=transfer)
     with caplog.at_level(logging.WARNING, logger="vllm.plugins.kvops.offload"):
         ensure_connector(config, None, "cpu")
+        ensure_connector(config, None, "cpu")  # the engine core rebuilding the config
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "would run degraded" in warnings[0].getMessage()
