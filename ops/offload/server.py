@@ -40,6 +40,11 @@ def load_offload_settings(config: Path | None, overrides: dict[str, Any]) -> Off
     except KvopsPluginError as exc:
         raise BadInputError(str(exc)) from None
     assert settings is not None
+    if settings.lmcache_mode == "in_process":
+        raise BadInputError(
+            f"{source}: offload.lmcache_mode is in_process, so LMCache runs inside vLLM and has "
+            "no server: set lmcache_mode: server to use `kvops offload serve`/`status`"
+        )
     return settings
 
 

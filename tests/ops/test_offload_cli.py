@@ -80,6 +80,15 @@ def test_bad_settings_are_one_line_exit_2(tmp_path: Path):
     assert "is not writable" in result.stderr
 
 
+def test_in_process_mode_has_no_server_to_serve(tmp_path: Path):
+    config = tmp_path / "kvops.yaml"
+    config.write_text("offload:\n  lmcache_mode: in_process\n")
+    result = runner.invoke(app, ["offload", "serve", "--config", str(config)])
+    assert result.exit_code == 2
+    assert "lmcache_mode is in_process" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_status_of_an_absent_server_is_an_error():
     result = runner.invoke(app, ["offload", "status", "--url", "http://127.0.0.1:9"])
     assert result.exit_code == 1
