@@ -71,8 +71,13 @@ def ensure_connector(
     if in_process_on_cpu:
         raise KvopsPluginError(unsupported_reason(device))
     wanted = IN_PROCESS_CONNECTOR if settings.lmcache_mode == "in_process" else CONNECTOR_NAME
-    if settings.lmcache_mode == "in_process" and device != "cuda":
+    if settings.lmcache_mode == "in_process" and device == "cpu":
         raise KvopsPluginError(unsupported_reason(device))
+    if settings.lmcache_mode == "in_process" and device != "cuda":
+        raise KvopsPluginError(
+            f"kvops.offload.lmcache_mode in_process is configured for CUDA only, not {device}: "
+            "set lmcache_mode: server (KVOpsOffloadConnector + `kvops offload serve`)"
+        )
     if transfer is None:
         from vllm.config import KVTransferConfig
 

@@ -114,6 +114,9 @@ def test_in_process_mode_refuses_off_cuda():
     with pytest.raises(KvopsPluginError, match="no cpu KV connector"):
         ensure_connector(SimpleNamespace(kv_transfer_config=None),
                          OffloadSettings(lmcache_mode="in_process"), "cpu")
+    with pytest.raises(KvopsPluginError, match="CUDA only, not xpu"):
+        ensure_connector(SimpleNamespace(kv_transfer_config=None),
+                         OffloadSettings(lmcache_mode="in_process"), "xpu")
 
 
 def test_in_process_mode_on_cuda_picks_lmcache_connector_v1():
