@@ -58,9 +58,18 @@ def ensure_connector(
             # process): so no refusal, but one loud line instead of LMCache's silent degradation.
             # vLLM rebuilds the config in the engine core, which inherits this environment:
             # the marker keeps it to one line per server.
+            # The front end builds the config first: it logs the line and sets the gauge its
+            # /metrics serves (the issue: no degraded mode without a loud error AND a metric).
             if os.environ.get(IN_PROCESS_WARNED_ENV) != "1":
                 logger.warning("kvops: %s", unsupported_reason(device))
                 os.environ[IN_PROCESS_WARNED_ENV] = "1"
+                from kvops.plugin.metrics import gauge
+
+                gauge(
+                    "kvops_offload_in_process_degraded",
+                    "1 when vLLM's in-process LMCache connector runs where LMCache has no KV "
+                    "connector for the device (no caching; see the kvops warning in the log)",
+                ).set(1)
             return
         if transfer is not None and transfer.kv_connector == CONNECTOR_NAME:
             raise KvopsPluginError(

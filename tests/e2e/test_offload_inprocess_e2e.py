@@ -68,3 +68,5 @@ def test_in_process_connector_without_kvops_settings_starts_degraded_with_a_warn
     ours = [line for line in log.splitlines() if "kvops: vLLM's in-process LMCache connector" in line]
     assert len(ours) == 1, log[-3000:]  # once, although the engine core rebuilds the config
     assert "would run degraded" in ours[0]
+    metrics = requests.get(server.url + "/metrics", timeout=30).text
+    assert "kvops_offload_in_process_degraded 1.0" in metrics.splitlines()
