@@ -64,6 +64,22 @@ def publish_info(vllm_config: Any, settings: KvopsSettings | None) -> None:
     )
     for feature in FEATURE_FIELDS:
         enabled.labels(feature=feature).set(1 if feature in features else 0)
+    publish_scheduler_limits(vllm_config)
+
+
+def publish_scheduler_limits(vllm_config: Any) -> None:
+    """kvops_scheduler_max_num_seqs / _max_num_batched_tokens as the server runs them: vLLM's
+    /metrics has no scheduler limits, so a load test cannot tell a server pinned at
+    --max-num-seqs from one starved by its token budget without them."""
+    sched = getattr(vllm_config, "scheduler_config", None)
+    if sched is None:
+        return
+    gauge("kvops_scheduler_max_num_seqs",
+          "vLLM's max_num_seqs (requests running at once) as this server runs it"
+          ).set(int(sched.max_num_seqs))
+    gauge("kvops_scheduler_max_num_batched_tokens",
+          "vLLM's max_num_batched_tokens (tokens per engine step) as this server runs it"
+          ).set(int(sched.max_num_batched_tokens))
 
 
 def reset_for_tests() -> None:

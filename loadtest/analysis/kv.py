@@ -25,6 +25,7 @@ from kvops.ops.errors import BadInputError
 OK, KV_BOUND, SEQ_BOUND, COMPUTE_BOUND, FAILING = (
     "ok", "kv-capacity", "max-num-seqs", "compute-bound", "failing")
 QUEUED_FRACTION = 0.3
+SCHED_MAX_SEQS = "kvops_scheduler_max_num_seqs"
 
 
 @dataclass
@@ -45,6 +46,8 @@ class StepResult:
     kv_usage_max: float
     preemptions: float
     classification: str = OK
+    max_num_seqs: float | None = None
+    """The server's --max-num-seqs from the kvops plugin's gauge; None on a server without it."""
 
 
 def step_bounds(config: KvExhaustionConfig, started_at: float) -> list[tuple[int, float, float]]:
@@ -70,6 +73,8 @@ def measure_step(index: int, users: int, start: float, end: float, config: KvExh
         running_max=max((s.get("running") for s in in_step), default=0.0),
         kv_usage_max=max((s.get("kv_usage") for s in in_step), default=0.0),
         preemptions=delta(edge[0], edge[-1], "preemptions") if len(edge) >= 2 else 0.0,
+        max_num_seqs=next((s.values[SCHED_MAX_SEQS] for s in reversed(edge or samples)
+                           if SCHED_MAX_SEQS in s.values), None),
     )
 
 
@@ -80,6 +85,10 @@ def classify(step: StepResult, previous: StepResult | None, config: KvExhaustion
     if step.preemptions > 0 or (queued and step.kv_usage_max >= config.kv_usage_bound):
         return KV_BOUND
     if queued:
+        if step.max_num_seqs:
+            # exact: the plugin publishes the limit (a token budget also pins `running`, at a
+            # count below it, e.g. one long prompt prefilling in 32-token chunks)
+            return SEQ_BOUND if step.running_max >= step.max_num_seqs else COMPUTE_BOUND
         plateau = previous is not None and previous.running_max >= step.running_max
         return SEQ_BOUND if plateau else COMPUTE_BOUND
     return OK
@@ -179,6 +188,8 @@ def analyse(config: KvExhaustionConfig, records: list[RequestRecord], samples: l
         "ttft_p99_s": knee.ttft_p99_s, "errors": knee.errors,
         "ttft_p99_ratio_to_first_step": _ratio(knee.ttft_p99_s, steps[0].ttft_p99_s),
     })
+    if knee.max_num_seqs is not None:
+        evidence["server_max_num_seqs"] = int(knee.max_num_seqs)
     if "predicted_max_concurrency" in plan:
         evidence["knee_vs_prediction"] = (
             f"knee at {knee.users} users; the KV cache holds {plan['predicted_max_concurrency']} "

@@ -139,6 +139,7 @@ def test_kv_exhaustion_bound_by_max_num_seqs(two_seqs, tmp_path):
     ev = verdict["evidence"]
     # oracles: the --max-num-seqs we started the server with, and its cache size
     assert ev["running_max"] == 2
+    assert ev["server_max_num_seqs"] == 2  # the plugin's gauge, read by the scraper
     assert ev["knee_users"] > 2
     assert ev["kv_usage_max"] < 0.5
     assert ev["predicted_max_concurrency"] > 100
@@ -170,6 +171,7 @@ def test_kv_exhaustion_compute_bound_by_the_token_budget(vllm, tiny_model, tmp_p
     (verdict,) = result["verdicts"]
     assert (verdict["problem"], verdict["cause"]) == ("kv-exhaustion", "compute-bound"), verdict
     ev = verdict["evidence"]
+    assert ev["server_max_num_seqs"] == 32  # running sits below it: the token budget binds
     assert ev["running_max"] < 32
     assert ev["kv_usage_max"] < 0.5
     assert ev["preemptions"] == 0

@@ -69,6 +69,26 @@ def test_kv_step_classes():
     assert kv.classify(failing, ok, cfg) == kv.FAILING
 
 
+def test_kv_step_classes_with_the_servers_max_num_seqs():
+    # running flat at 1 step after step: a plateau, but with the plugin's gauge saying the
+    # server admits 32 it is the token budget, not the sequence limit
+    cfg = KvExhaustionConfig(steps=[1, 2], step_s=10)
+    before = kv.StepResult(0, 1, 0, 10, 5, 0, 0.1, 0.1, 10, 3, 0.8, 1, 0.01, 0, max_num_seqs=32)
+    flat = kv.StepResult(1, 2, 10, 20, 5, 0, 0.1, 0.1, 10, 3, 0.8, 1, 0.01, 0, max_num_seqs=32)
+    assert kv.classify(flat, before, cfg) == kv.COMPUTE_BOUND
+    pinned = kv.StepResult(1, 2, 10, 20, 5, 0, 0.1, 0.1, 10, 3, 0.8, 2, 0.01, 0, max_num_seqs=2)
+    assert kv.classify(pinned, None, cfg) == kv.SEQ_BOUND  # no previous step needed
+
+
+def test_measure_step_reads_the_plugins_max_num_seqs():
+    cfg = KvExhaustionConfig(steps=[1], step_s=10)
+    samples = [_sample(t, running=1, waiting=0, kv_usage=0.1, kvops_scheduler_max_num_seqs=7)
+               for t in range(0, 11)]
+    assert kv.measure_step(0, 1, 0, 10, cfg, [], samples).max_num_seqs == 7
+    bare = [_sample(t, running=1, waiting=0, kv_usage=0.1) for t in range(0, 11)]
+    assert kv.measure_step(0, 1, 0, 10, cfg, [], bare).max_num_seqs is None
+
+
 def test_predicted_concurrency_from_cache_config():
     sample = MetricsSample(t=0, cache_config={"num_gpu_blocks": "12", "block_size": "128"})
     # 465 tokens → 4 blocks; 11 usable blocks (block 0 is vLLM's null block) → 2 requests
