@@ -198,8 +198,11 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
                     "(kvops_offload_degraded=1; check `kvops offload status`)", self._kvops_server,
                 )
             self._kvops_healthy = healthy
-        if self.role == KVConnectorRole.SCHEDULER:
-            self._kvops_stats.set_degraded(not healthy)
+        # Both halves report: vLLM merges the worker's step stats with the scheduler's (max, in
+        # OffloadStats.aggregate), so the gauge stays 1 until the worker has re-registered its
+        # KV caches too; the scheduler half alone recovers first, and lookups made before the
+        # worker is back miss ("No GPU context found" in LMCache's log).
+        self._kvops_stats.set_degraded(not healthy)
 
     @property
     def _block_size(self) -> int:
