@@ -61,7 +61,9 @@ def measure_step(index: int, users: int, start: float, end: float, config: KvExh
     sent = [r for r in records if start <= r.sent_at < end]
     done = [r for r in records if settled <= r.done_at < end and r.ok]
     in_step = window(samples, settled, end) or window(samples, start, end)
-    edge = window(samples, start - 1.5, end + 1.5)
+    # counter deltas from just before the step to its end, never past it: the next step's users
+    # start at `end`, and a preemption they cause must not make this step look KV-bound
+    edge = window(samples, start - 1.5, end)
     ttfts = [r.ttft_s for r in sent if r.ttft_s is not None]
     return StepResult(
         index=index, users=users, start=start, end=end, requests=len(sent),

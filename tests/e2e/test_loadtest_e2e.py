@@ -32,12 +32,12 @@ def loadtest(tmp_path, scenario: str, url: str, *args: str) -> tuple[int, dict]:
     return res.exit_code, result
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # per test: the pool restarts it if another server evicted it
 def small_kv(vllm, tiny_model):
     return vllm(tiny_model, "--max-model-len", "1024", kv_cache_bytes=SMALL_KV_BLOCKS * BLOCK_BYTES)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # per test: the pool restarts it if another server evicted it
 def healthy(vllm, tiny_model):
     return vllm(tiny_model, "--max-model-len", "2048")
 
@@ -124,7 +124,7 @@ def test_kv_exhaustion_healthy_server(healthy, tmp_path):
     assert all(s["classification"] == "ok" for s in result["steps"])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # per test: the pool restarts it if another server evicted it
 def two_seqs(vllm, tiny_model):
     """A KV cache that holds hundreds of the requests below, but only two sequences at a time."""
     return vllm(tiny_model, "--max-model-len", "512", "--max-num-seqs", "2")

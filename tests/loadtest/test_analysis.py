@@ -150,3 +150,12 @@ def test_client_summary_sets_first_event_and_first_text_beside_the_server():
     assert out["ttft_client_minus_server_ms"] == pytest.approx(15.0)  # 35 ms vs 20 ms
     assert out["ttft_after_first_event_ms_mean"] == pytest.approx(15.0)
     assert out["first_event_without_text"] == 1
+
+
+def test_preemptions_after_a_steps_end_belong_to_the_next_step():
+    # the counter rises 0.5 s after step 1 ends (10 s): the next step's users caused it
+    cfg = KvExhaustionConfig(steps=[1, 2], step_s=10)
+    samples = [_sample(t, running=1, waiting=0, kv_usage=0.5, preemptions=0 if t <= 10 else 3)
+               for t in [x * 0.5 for x in range(0, 41)]]
+    assert kv.measure_step(0, 1, 0, 10, cfg, [], samples).preemptions == 0
+    assert kv.measure_step(1, 2, 10, 20, cfg, [], samples).preemptions == 3
