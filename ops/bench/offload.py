@@ -28,6 +28,7 @@ from typing import Any
 
 import requests
 
+from kvops.ops.bench.paired import block_ratios
 from kvops.ops.errors import BadInputError, KvopsError
 from kvops.ops.launch import ManagedServer, free_port, lmcache_server, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
@@ -148,8 +149,7 @@ def _measure_misses(server: ManagedServer, lmcache: ManagedServer, baseline: Man
 
 def miss_block_ratios(ttfts: dict[str, list[float]]) -> list[float]:
     """Per ABBA block: offload / no-connector cold TTFT - 1 (two rounds per side per block)."""
-    base, off = ttfts["baseline"], ttfts["offload"]
-    return [(off[i] + off[i + 1]) / (base[i] + base[i + 1]) - 1 for i in range(0, len(base) - 1, 2)]
+    return [ratio - 1 for ratio in block_ratios(ttfts["baseline"], ttfts["offload"])]
 
 
 def spread(values: list[float]) -> dict[str, float]:
