@@ -94,20 +94,25 @@ class Engine:
         self.decode()
         self.admit()
 
+    def make_room(self, s: Seq, extra: int) -> None:
+        """Preempt the newest running sequences (vLLM's FCFS preemption) until ``extra`` blocks
+        are free for ``s``, or ``s`` itself was preempted."""
+        while extra > self.free_blocks:
+            victim = self.running.pop()
+            self.release(victim)
+            victim.preemptions += 1
+            victim.state = "waiting"
+            self.preemptions += 1
+            self.waiting.insert(0, victim)
+            if victim is s:
+                break
+
     def decode(self) -> None:
         i = 0
         while i < len(self.running):
             s = self.running[i]
             extra = blocks_for_tokens(s.tokens + 1, BLOCK) - blocks_for_tokens(s.tokens, BLOCK)
-            while extra > self.free_blocks:
-                victim = self.running.pop()  # newest, as vLLM's FCFS preemption
-                self.release(victim)
-                victim.preemptions += 1
-                victim.state = "waiting"
-                self.preemptions += 1
-                self.waiting.insert(0, victim)
-                if victim is s:
-                    break
+            self.make_room(s, extra)
             if s.state != "running":
                 continue
             self.free_blocks -= extra
@@ -368,15 +373,7 @@ class SpecEngine(Engine):
             want = min(s.tokens + 1 + 2 * self.k, self.max_model_len)
             held = max(self.held.get(id(s), 0), s.tokens)
             extra = max(blocks_for_tokens(want, BLOCK) - blocks_for_tokens(held, BLOCK), 0)
-            while extra > self.free_blocks:
-                victim = self.running.pop()
-                self.release(victim)
-                victim.preemptions += 1
-                victim.state = "waiting"
-                self.preemptions += 1
-                self.waiting.insert(0, victim)
-                if victim is s:
-                    break
+            self.make_room(s, extra)
             if s.state != "running":
                 continue
             self.free_blocks -= extra
