@@ -94,9 +94,10 @@ def check_still_serving(settings: dict[str, Any]) -> None:
     end's preflight found still answers its health check (seconds, not LMCache's mq_timeout)."""
     if not settings:
         return
-    http_url = f"http://{settings['host']}:{settings['http_port']}"
+    offload = OffloadSettings.model_validate(settings)  # the front end's model_dump()
+    http_url = offload.http_url
     try:
-        health = _get_json(http_url + "/healthcheck", float(settings.get("timeout_s", 10.0)))
+        health = _get_json(http_url + "/healthcheck", offload.timeout_s)
     except (OSError, ValueError) as exc:
         raise KvopsPluginError(f"{http_url}/healthcheck: {_reason(exc)}") from None
     if health.get("status") != "healthy":
