@@ -259,13 +259,9 @@ _MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_output_tokens", "max_tokens"
 
 
 def max_tokens_field(request: Any) -> str:
-    """The name of the field that limits this request's output, for error messages."""
+    """The field that limits this request's output: its value is the limit, its name goes in the 400."""
     return next((f for f in _MAX_TOKENS_FIELDS if getattr(request, f, None) is not None),
                 "max_output_tokens" if hasattr(request, "max_output_tokens") else "max_tokens")
-
-
-def requested_max_tokens(request: Any) -> int | None:
-    return getattr(request, max_tokens_field(request), None)
 
 
 def decide(serving: Any, request: Any, engine_inputs: list[Any]) -> Any | None:
@@ -273,13 +269,13 @@ def decide(serving: Any, request: Any, engine_inputs: list[Any]) -> Any | None:
     front = _DOOR
     if front is None:
         return None
-    max_tokens = requested_max_tokens(request)
+    field = max_tokens_field(request)
+    max_tokens = getattr(request, field, None)
     shapes = [RequestShape(serving._extract_prompt_len(ei), max_tokens) for ei in engine_inputs]
     engine = serving.engine_client
     states = getattr(getattr(engine, "output_processor", None), "request_states", None)
     n = int(getattr(request, "n", None) or 1)  # the responses API has no n
-    rejection = front.check(engine.vllm_config, shapes, n, states,
-                            max_tokens_field(request), hasattr(request, "n"))
+    rejection = front.check(engine.vllm_config, shapes, n, states, field, hasattr(request, "n"))
     if rejection is None:
         return None
     from http import HTTPStatus
@@ -288,7 +284,7 @@ def decide(serving: Any, request: Any, engine_inputs: list[Any]) -> Any | None:
 
     exc: Exception
     if rejection.status == 400:
-        exc = VLLMValidationError(rejection.message, parameter=max_tokens_field(request))
+        exc = VLLMValidationError(rejection.message, parameter=field)
     else:
         exc = GracefulHTTPError(rejection.message, HTTPStatus(rejection.status))
     return serving.create_error_response(exc)
