@@ -7,23 +7,27 @@ its own from saved files. Knows no Locust.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvops.loadtest.analysis import kv, prefix, ttft
-from kvops.loadtest.analysis.stats import mean, percentile
+from kvops.core.errors import EXIT_CHECK_FAILED, EXIT_OK, BadInputError, KvopsError
+from kvops.core.prom import MetricsSample, delta, hist_mean
+from kvops.core.stats import mean, percentile
+from kvops.core.trace.replay import Replay
+from kvops.core.verdict import Verdict
+from kvops.loadtest.analysis import kv, prefix, replay, ttft
+from kvops.loadtest.analysis import load as ttft_load
+from kvops.loadtest.analysis.fleet import name_replicas
 from kvops.loadtest.analysis.tokens import ServerTokenizer
-from kvops.loadtest.metrics import MetricsSample, delta, hist_mean
-from kvops.loadtest.records import RequestRecord, write_jsonl
-from kvops.loadtest.scenarios.config import (
+from kvops.loadtest.config import (
     KvExhaustionConfig,
     PrefixMissConfig,
     ScenarioConfig,
+    TraceReplayConfig,
     TtftRegressionConfig,
 )
-from kvops.ops.diagnose import Verdict
-from kvops.ops.errors import EXIT_CHECK_FAILED, EXIT_OK, BadInputError
+from kvops.loadtest.records import RequestRecord, write_jsonl
 
 SCHEMA = "kvops.loadtest.result/1"
 
@@ -41,6 +45,14 @@ class Run:
     baseline: Path | None = None
     processes: int = 1
     expect: Path | None = None
+    ramp: dict[str, Any] | None = None
+    """kv-exhaustion: how its steps were sized from the server (None: given by the operator)."""
+    replay: Replay | None = None
+    """trace-replay: the requests replayed (arrival times, lengths, block ids)."""
+    headers: dict[str, str] = field(default_factory=dict)
+    """What the server wants with /tokenize (an API key, a proxy's headers); never written out."""
+    replicas: dict[str, list[MetricsSample]] | None = None
+    """The samples per replica when they were read from Prometheus (``samples`` is the fleet's)."""
 
 
 def client_summary(records: list[RequestRecord], samples: list[MetricsSample]) -> dict[str, Any]:
@@ -103,17 +115,25 @@ def analyse(run: Run) -> tuple[dict[str, Any], list[Verdict], int]:
     cfg, duration = run.config, run.ended_at - run.started_at
     if isinstance(cfg, KvExhaustionConfig):
         expected = kv.load_expectation(run.expect) if run.expect else None
-        steps, verdicts = kv.analyse(cfg, run.records, run.samples, run.started_at, expected)
+        steps, verdicts = kv.analyse(cfg, run.records, run.samples, run.started_at, expected,
+                                     run.ramp)
         return {"steps": kv.steps_table(steps)}, verdicts, EXIT_OK
     if isinstance(cfg, PrefixMissConfig):
-        summary, verdicts = prefix.analyse(run.records, run.samples,
-                                           ServerTokenizer(run.host, run.model), cfg.min_ratio)
+        tokenizer = ServerTokenizer(run.host, run.model, headers=run.headers)
+        summary, verdicts = prefix.analyse(run.records, run.samples, tokenizer, cfg.min_ratio)
         return {"prefix": summary}, verdicts, EXIT_OK
+    if isinstance(cfg, TraceReplayConfig):
+        if run.replay is None:
+            raise KvopsError("trace-replay: the run has no replay plan")
+        tokenizer = ServerTokenizer(run.host, run.model, headers=run.headers)
+        summary, verdicts = replay.analyse(cfg, run.replay, run.records, run.samples, tokenizer)
+        missed = any(v.problem != "healthy" for v in verdicts)
+        return {"replay": summary}, verdicts, EXIT_CHECK_FAILED if missed else EXIT_OK
     assert isinstance(cfg, TtftRegressionConfig)
     summary = ttft.summarise(cfg, run.records, run.samples, duration)
     section: dict[str, Any] = {"ttft": {"summary": summary}}
     if run.baseline is None:
-        return section, [ttft_no_baseline(summary)], EXIT_OK
+        return section, [ttft_no_baseline(summary, cfg.late_s)], EXIT_OK
     table, verdicts = ttft.compare(cfg, load_baseline(run.baseline), summary)
     section["ttft"]["comparison"] = table
     section["ttft"]["baseline"] = str(run.baseline)
@@ -121,12 +141,26 @@ def analyse(run: Run) -> tuple[dict[str, Any], list[Verdict], int]:
     return section, verdicts, EXIT_CHECK_FAILED if failed else EXIT_OK
 
 
-def ttft_no_baseline(summary: dict[str, Any]) -> Verdict:
-    from kvops.ops.diagnose import healthy
+def ttft_no_baseline(summary: dict[str, Any], late_s: float) -> Verdict:
+    """A run without a baseline is one: healthy, unless its own sends fell behind the schedule
+    with users to spare (the client's CPU). Kept as a baseline, such a run would make every later
+    comparison inconclusive (CI, stop 20: a baseline 5.8 s late, then three candidates compared
+    with it, all client-bound), so it says so now, while re-recording is one command away."""
+    from kvops.core.verdict import healthy
 
     means = summary["server_means_s"]
-    return healthy(note="no baseline given: this result can serve as one (--baseline FILE)",
-                   ttft_p50_s=summary["ttft_p50_s"], server_means_s=means)
+    late = ttft_load.fell_behind("this run", summary, late_s)
+    if late is None or late.pool_exhausted:
+        return healthy(note="no baseline given: this result can serve as one (--baseline FILE)",
+                       ttft_p50_s=summary["ttft_p50_s"], server_means_s=means)
+    share = f", {late.late_share:.0%} of sends over {late_s:g} s late" if late.late_share is not None else ""
+    return Verdict("inconclusive", "client-bound",
+                   {"ttft_p50_s": summary["ttft_p50_s"], "server_means_s": means,
+                    "comparison_reliable": False, "client_behind": [late.to_dict()]},
+                   f"the load generator fell behind its arrival schedule (send lateness p99 "
+                   f"{late.lateness_p99_s} s{share}) with users to spare: this run offered less "
+                   "than the load asked for and is no baseline. Record it again with --workers N "
+                   "(or on a machine with more CPU for the client) (runbooks/ttft-regression.md)")
 
 
 def finalize(run: Run) -> tuple[dict[str, Any], int]:
@@ -140,6 +174,10 @@ def finalize(run: Run) -> tuple[dict[str, Any], int]:
     write_jsonl(Path(files["records"]), (r.to_dict() for r in run.records))
     write_jsonl(Path(files["metrics"]), (s.to_dict() for s in run.samples))
     section, verdicts, code = analyse(run)
+    if run.replicas:
+        verdicts = name_replicas(verdicts, run.replicas)
+    if any(v.problem != "healthy" for v in verdicts):
+        code = EXIT_CHECK_FAILED  # README: 3 whenever a verdict names a problem
     result: dict[str, Any] = {
         "schema": SCHEMA, "scenario": run.config.scenario, "host": run.host, "model": run.model,
         "started_at": run.started_at, "ended_at": run.ended_at,

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvops.ops.errors import BadInputError
+from kvops.core.errors import BadInputError
 
 
 @dataclass

@@ -8,13 +8,18 @@ an on-call engineer needs to see a knee or a queue build up.
 from __future__ import annotations
 
 import base64
-import html
 import io
+from functools import cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvops.loadtest.metrics import MetricsSample
+import jinja2
+
+from kvops.core.prom import MetricsSample
 from kvops.loadtest.records import RequestRecord
+
+TEMPLATE = "report.html.jinja"  # beside this module, shipped as package data (*.jinja)
 
 
 def main_plot_png(result: dict[str, Any], records: list[RequestRecord],
@@ -62,52 +67,53 @@ def main_plot_png(result: dict[str, Any], records: list[RequestRecord],
     return buf.getvalue()
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    if not rows:
-        return ""
-    keys = list(rows[0])
-    head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
-    body = "".join("<tr>" + "".join(f"<td>{_fmt(r.get(k))}</td>" for k in keys) + "</tr>" for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+Rows = list[dict[str, Any]]
 
 
 def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return html.escape(str(value))
+    """A table cell: floats to four significant digits (escaping is the template's)."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _kv(mapping: dict[str, Any]) -> str:
-    return _table([{"field": k, "value": v} for k, v in mapping.items() if not isinstance(v, (list, dict))])
+def _kv(mapping: dict[str, Any]) -> Rows:
+    """A mapping's scalar fields as (field, value) rows."""
+    return [{"field": k, "value": v} for k, v in mapping.items() if not isinstance(v, list | dict)]
+
+
+def _sections(result: dict[str, Any]) -> list[tuple[str, list[Rows]]]:
+    """(heading, tables) after the timeline, in the order the report shows them."""
+    sections: list[tuple[str, list[Rows]]] = [("Client", [_kv(result["client"])])]
+    if "steps" in result:
+        cols = ("users", "requests", "errors", "ttft_p50_s", "ttft_p99_s", "tokens_per_s",
+                "waiting_max", "waiting_fraction", "running_max", "kv_usage_max", "preemptions", "classification")
+        sections.append(("Steps", [[{c: s[c] for c in cols} for s in result["steps"]]]))
+    if "replay" in result:
+        sections.append(("Trace replay: measured and predicted prefix hit ratio", [_kv(result["replay"])]))
+    if "prefix" in result:
+        sections.append(("Prefix cache", [_kv(result["prefix"])]))
+    if "ttft" in result:
+        comparison = result["ttft"].get("comparison") or {}
+        sections.append(("TTFT", [_kv(result["ttft"]["summary"]),
+                                  [{"metric": k, **v} for k, v in comparison.items()]]))
+    return sections
+
+
+@cache
+def _template() -> jinja2.Template:
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    env.filters["fmt"] = _fmt
+    return env.from_string(resources.files("kvops.loadtest").joinpath(TEMPLATE).read_text())
+
+
+def render_html(result: dict[str, Any], image_b64: str) -> str:
+    """The report page for a result, its main plot inlined as base64 PNG."""
+    verdicts = [{**v, "evidence": _kv(v["evidence"])} for v in result["verdicts"]]
+    return _template().render(result=result, verdicts=verdicts, image=image_b64,
+                              sections=_sections(result)) + "\n"
 
 
 def write_html(result: dict[str, Any], records: list[RequestRecord], samples: list[MetricsSample],
                html_path: Path, png_path: Path) -> None:
     png = main_plot_png(result, records, samples)
     png_path.write_bytes(png)
-    image = base64.b64encode(png).decode("ascii")
-    parts = [f"<h1>kvops loadtest: {html.escape(result['scenario'])}</h1>",
-             f"<p>host {html.escape(result['host'])}, model {html.escape(result['model'])}, "
-             f"{result['duration_s']} s, schema {html.escape(result['schema'])}</p>", "<h2>Verdicts</h2>"]
-    for v in result["verdicts"]:
-        parts.append(f"<div class='verdict'><b>{html.escape(v['problem'])} / {html.escape(v['cause'])}"
-                     f"</b><p>{html.escape(v['next'])}</p>{_kv(v['evidence'])}</div>")
-    parts += ["<h2>Timeline</h2>", f"<img alt='main plot' src='data:image/png;base64,{image}'>",
-              "<h2>Client</h2>", _kv(result["client"])]
-    if "steps" in result:
-        cols = ("users", "requests", "errors", "ttft_p50_s", "ttft_p99_s", "tokens_per_s",
-                "waiting_max", "waiting_fraction", "running_max", "kv_usage_max", "preemptions", "classification")
-        parts += ["<h2>Steps</h2>", _table([{c: s[c] for c in cols} for s in result["steps"]])]
-    if "prefix" in result:
-        parts += ["<h2>Prefix cache</h2>", _kv(result["prefix"])]
-    if "ttft" in result:
-        parts += ["<h2>TTFT</h2>", _kv(result["ttft"]["summary"])]
-        comparison = result["ttft"].get("comparison")
-        if comparison:
-            parts.append(_table([{"metric": k, **v} for k, v in comparison.items()]))
-    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
-             "td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px}"
-             ".verdict{border-left:4px solid #c33;padding-left:1em}img{max-width:100%}")
-    html_path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>kvops "
-                         f"{html.escape(result['scenario'])}</title><style>{style}</style></head>"
-                         f"<body>{''.join(parts)}</body></html>\n")
+    html_path.write_text(render_html(result, base64.b64encode(png).decode("ascii")))

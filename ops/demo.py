@@ -21,12 +21,13 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvops.core.admission.policy import recommended_settings
+from kvops.core.settings import parse_settings
+from kvops.core.units import GIB
 from kvops.ops.capacity.allocator import KVCapacity, SizingFlags, kv_capacity
 from kvops.ops.capacity.model import load_config, read_model
 from kvops.ops.launch import ManagedServer, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
-from kvops.plugin.admission_policy import recommended_settings
-from kvops.plugin.settings import parse_settings
 
 KV_LINE = re.compile(r"(?:CPU|GPU) KV cache size: [\d,]+ tokens, Maximum concurrency for .*")
 SHOWN_METRICS = (
@@ -86,13 +87,13 @@ def run_demo(options: DemoOptions, say: Callable[[str], None]) -> dict[str, obje
 def _plan(model: Path, options: DemoOptions) -> tuple[KVCapacity, int]:
     kv = read_model(load_config(model / "config.json"), tp=1, kv_cache_dtype="auto")
     flags = SizingFlags(max_model_len=options.max_model_len, device="cpu")
-    one_block = kv_capacity(kv, 1 << 30, flags).bytes_per_block
+    one_block = kv_capacity(kv, GIB, flags).bytes_per_block
     kv_bytes = options.kv_blocks * one_block
     return kv_capacity(kv, kv_bytes, flags), kv_bytes
 
 
 def _log_line(plan: KVCapacity) -> str:
-    return str(plan.as_dict()["log_line"])
+    return plan.summary().log_line
 
 
 def _write_settings(path: Path, plan: KVCapacity, options: DemoOptions) -> Path:

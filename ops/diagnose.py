@@ -7,63 +7,55 @@ verdicts its scenario reached. No vLLM import: this runs on an SRE's laptop.
 
 from __future__ import annotations
 
-import json
+import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvops.ops.errors import BadInputError
-
-PROBLEMS: dict[str, tuple[str, ...]] = {
-    "kv-exhaustion": ("kv-capacity", "max-num-seqs", "compute-bound", "failing"),
-    "prefix-miss": ("prefix-caching-disabled", "prefix-drift", "eviction", "offload-miss"),
-    "ttft-regression": ("queueing", "prefill", "decode"),
-    "offload": ("degraded", "unreachable"),
-    "healthy": ("none",),
-}
-RUNBOOKS = "runbooks/"
-KV_USAGE_BOUND = 0.9
-
-
-@dataclass(frozen=True)
-class Verdict:
-    problem: str
-    cause: str
-    evidence: dict[str, Any] = field(default_factory=dict)
-    next: str = ""
-
-    def __post_init__(self) -> None:
-        if self.cause not in PROBLEMS.get(self.problem, ()):
-            raise ValueError(f"bad verdict {self.problem}/{self.cause}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"problem": self.problem, "cause": self.cause, "evidence": self.evidence,
-                "next": self.next}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Verdict:
-        return cls(str(data["problem"]), str(data["cause"]), dict(data.get("evidence") or {}),
-                   str(data.get("next", "")))
-
-
-def healthy(**evidence: Any) -> Verdict:
-    return Verdict("healthy", "none", evidence, "nothing to do")
+from kvops.core.errors import BadInputError, KvopsError
+from kvops.core.files import parse_json, read_text
+from kvops.core.promql import IDENTITY_READS, answers_from_many
+from kvops.core.verdict import KV_USAGE_BOUND, RUNBOOKS, Verdict, healthy
 
 
 def diagnose_live(url: str, window_s: float = 5.0) -> list[Verdict]:
-    """Verdicts from two /metrics samples ``window_s`` apart."""
-    from kvops.loadtest.metrics import scrape
+    """Verdicts from two /metrics samples ``window_s`` apart (refused behind a load balancer)."""
+    from kvops.core.prom import scrape
 
-    first = scrape(url)
+    refuse_load_balancer(url)
+    first = vllm_sample(scrape(url), url)
     time.sleep(window_s)
-    last = scrape(url)
+    last = vllm_sample(scrape(url), url)
     return diagnose_samples(first, last)
 
 
+def vllm_sample(sample: Any, url: str) -> Any:
+    """A sample with vLLM's scheduler gauges, all finite: a page without them (another program, an
+    empty answer) or with NaN/inf in them would give verdicts built on nothing."""
+    missing = [key for key in ("running", "waiting", "kv_usage") if key not in sample.values]
+    if missing:
+        raise KvopsError(f"{url}/metrics has no vLLM scheduler gauges ({', '.join(missing)} missing): "
+                         "is --url a vLLM server's own base URL?")
+    bad = sorted(k for k, v in sample.values.items()  # vLLM's own: counts, seconds, fractions
+                 if not k.startswith(("kvops_", "lmcache:")) and not (math.isfinite(v) and v >= 0))
+    if bad:
+        raise KvopsError(f"{url}/metrics has values that are not finite numbers >= 0 ({', '.join(bad[:3])}): "
+                         "a broken exporter; not diagnosing from it")
+    return sample
+
+
+def refuse_load_balancer(url: str, reads: int = IDENTITY_READS) -> None:
+    """Two scrapes through a load balancer come from different replicas and their differences
+    mean nothing (kvops.core.promql.answers_from_many tells one process from several)."""
+    if answers_from_many(url, reads=reads):
+        raise BadInputError(
+            f"--url {url} answers from more than one server process in {reads} reads (a load "
+            "balancer): pass --prometheus URL for the fleet, or one replica's own URL")
+
+
 def diagnose_samples(first: Any, last: Any) -> list[Verdict]:
-    """The live rules, on two MetricsSamples (kvops.loadtest.metrics)."""
-    from kvops.loadtest.metrics import delta, hist_mean, prefix_caching_enabled
+    """The live rules, on two MetricsSamples (kvops.core.prom)."""
+    from kvops.core.prom import delta, hist_mean, prefix_caching_enabled
 
     verdicts: list[Verdict] = []
     # a request passing through the queue between two steps is not a queue: only waiting seen
@@ -131,17 +123,22 @@ def _offload_verdicts(last: Any) -> list[Verdict]:
             "offload", "degraded", {**evidence, "kvops_offload_disk_degraded": disk},
             "the disk tier refuses writes (full or read-only; the vLLM log's `kvops offload DISK "
             f"DEGRADED` line says which): free space or remount it read-write ({RUNBOOKS}offload.md)")]
+    # the canary stored a prefix and could not load it back: every other gauge can read healthy
+    # while offloaded prefixes are never restored (plugin/offload/canary.py)
+    load_path = last.values.get("kvops_offload_load_path_ok")
+    if load_path is not None and load_path < 1:
+        return [Verdict(
+            "offload", "load-path", {**evidence, "kvops_offload_load_path_ok": load_path},
+            "the connector stores KV but its load-path canary could not load it back: run "
+            "`kvops offload check --url URL` for the reason (L1 smaller than a chunk, a tier that "
+            f"returns nothing, wrong KV) ({RUNBOOKS}offload.md)")]
     return []
 
 
 def verdicts_from_result(path: Path) -> list[Verdict]:
     """The verdicts a `kvops loadtest` result JSON reached."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise BadInputError(f"cannot read result file {path}: {exc.strerror}") from exc
-    except json.JSONDecodeError as exc:
-        raise BadInputError(f"result file {path} is not JSON: {exc.msg}") from exc
+    label = f"result file {path}"
+    data = parse_json(read_text(Path(path), label), label)
     if not isinstance(data, dict) or not isinstance(data.get("verdicts"), list):
         raise BadInputError(f"result file {path} has no 'verdicts' list: pass a kvops loadtest result JSON")
     try:

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvops.ops.fp8 import fp8_kv_support, read_cpu_flags
+from kvops.core.fp8.scales import fp8_kv_support, read_cpu_flags
+from kvops.core.units import GIB
 
 SUPPORTED_VLLM_MINOR = "0.32"
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,12 @@ def register() -> None:
     global _REGISTERED_PID
     if _REGISTERED_PID == os.getpid():
         return
-    from kvops.plugin import _compat
+    from kvops.plugin import _compat, hooks
+    from kvops.plugin.offload import CONNECTOR_MODULE, CONNECTOR_NAME
 
-    _compat.install_config_hook()
-    _compat.register_offload_connector()
-    _compat.install_attention_hook()
+    _compat.install_config_hook(hooks.before_platform_config, hooks.after_platform_config)
+    _compat.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE)
+    _compat.install_attention_hook(hooks.after_attention_weights)
     _REGISTERED_PID = os.getpid()
     _compat.plugin_logger().info("kvops plugin registered (pid=%d)", os.getpid())
 

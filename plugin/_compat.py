@@ -9,6 +9,8 @@ Hook points:
 - ``wait_for_engine_startup`` (vllm/v1/engine/utils.py:1361) raises a RuntimeError with a
   traceback when an engine process dies while starting; ``arm_engine_refusal`` turns a death
   that kvops caused on purpose (``refuse_in_engine``) into our one line and exit code 2.
+- ``AsyncLLM.shutdown`` (vllm/v1/engine/async_llm.py:296): ``install_shutdown_answer`` fails
+  the requests still waiting when the engine is gone, so that SIGTERM ends the server.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import secrets
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -34,8 +37,12 @@ def plugin_logger() -> logging.Logger:
     return logger
 
 
-def install_config_hook() -> None:
-    """Wrap the current platform's config hook once per process."""
+ConfigHook = Callable[[Any], None]
+
+
+def install_config_hook(before: ConfigHook, after: ConfigHook) -> None:
+    """Wrap the current platform's config hook once per process: ``before`` and ``after`` run
+    around vLLM's own (kvops.plugin.hooks passes them in; this module knows no feature)."""
     from vllm.platforms import current_platform
 
     platform_cls = type(current_platform)
@@ -44,19 +51,17 @@ def install_config_hook() -> None:
         return
 
     def check_and_update_config(cls: type, vllm_config: Any) -> None:
-        from kvops.plugin.hooks import after_platform_config, before_platform_config
-
-        _fail_fast(before_platform_config, vllm_config)
+        _fail_fast(before, vllm_config)
         original(vllm_config)
-        _fail_fast(after_platform_config, vllm_config)
+        _fail_fast(after, vllm_config)
 
     setattr(check_and_update_config, _WRAPPED_MARK, True)
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
 
 
-def _fail_fast(hook: Any, vllm_config: Any) -> None:
+def _fail_fast(hook: ConfigHook, vllm_config: Any) -> None:
     """Run a hook; a KvopsPluginError stops the process with one line and exit code 2."""
-    from kvops.plugin.errors import KvopsPluginError
+    from kvops.core.errors import KvopsPluginError
 
     try:
         hook(vllm_config)
@@ -136,25 +141,89 @@ def refuse_in_engine(message: str) -> NoReturn:
     fd = os.open(note, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, message.encode())
     os.close(fd)
-    if os.getppid() != int(frontend):
-        os.kill(os.getppid(), signal.SIGKILL)
+    parent = os.getppid()
+    if parent != int(frontend) and parent_of(parent) == int(frontend):
+        # Only the engine core (the front end's child) is ours to stop: a parent that is not
+        # (a subreaper or init after the engine core died) is left alone.
+        os.kill(parent, signal.SIGKILL)
     os._exit(2)
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` from /proc (Linux), None when it cannot be read."""
+    from kvops.core.proc import stat_fields
 
-def register_offload_connector() -> None:
-    """Register the kvops offload connector by dotted path (imported lazily by vLLM)."""
+    fields = stat_fields(pid)
+    try:
+        return int(fields[1]) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def install_shutdown_answer() -> None:
+    """Wrap ``AsyncLLM.shutdown`` once per process: after it, every request still waiting for
+    output gets EngineDeadError (vLLM's OpenAI server answers it with a 500 or an error event).
+
+    On SIGTERM the front end stops the engine, then cancels its output handler
+    (async_llm.py:296-307); the handler fails the waiting requests only if it noticed the dead
+    engine before it was cancelled. With the LMCache connector the engine core takes longer to
+    die and it never did: requests in flight hung, uvicorn kept "Waiting for connections to
+    close", and the server did not exit (issue 15, SIGTERM mid-offload).
+    """
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    original = AsyncLLM.shutdown
+    if getattr(original, _WRAPPED_MARK, False):
+        return
+
+    def shutdown(self: Any, timeout: float | None = None) -> None:
+        original(self, timeout=timeout)
+        _fail_waiting(self, EngineDeadError)
+
+    setattr(shutdown, _WRAPPED_MARK, True)
+    AsyncLLM.shutdown = shutdown
+
+
+def _fail_waiting(llm: Any, error: Callable[[], Exception]) -> None:
+    """Put ``error()`` in every unfinished request's queue, on the loop that owns the queues
+    (shutdown runs in an executor thread: asyncio.Event is not thread-safe)."""
+    import asyncio
+
+    processor = getattr(llm, "output_processor", None)
+    handler = getattr(llm, "output_handler", None)
+    if processor is None or handler is None or not getattr(processor, "request_states", None):
+        return
+    loop = handler.get_loop()
+    if loop.is_closed():
+        return
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    try:
+        if running is loop:
+            processor.propagate_error(error())
+        else:
+            loop.call_soon_threadsafe(processor.propagate_error, error())
+    except RuntimeError:  # the loop closed meanwhile: nobody is left waiting
+        return
+
+
+def register_connector(name: str, module: str) -> None:
+    """Register a KV connector class by dotted path (imported lazily by vLLM), once."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvops.plugin.offload import CONNECTOR_MODULE, CONNECTOR_NAME
-
-    if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+    if name not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(name, module, name)
 
 ATTENTION_MODULE = "vllm.model_executor.layers.attention.attention"
 
 
-def install_attention_hook() -> None:
+WeightsHook = Callable[[Any, Any], None]
+
+
+def install_attention_hook(after_weights: WeightsHook) -> None:
     """Wrap ``Attention.process_weights_after_loading`` in this process (fp8 scales), when vLLM
     imports the attention module: importing it ourselves costs ~5 s in processes (front end,
     ``vllm serve --help``) that never load a model.
@@ -165,13 +234,16 @@ def install_attention_hook() -> None:
     """
     module = sys.modules.get(ATTENTION_MODULE)
     if module is not None:
-        _wrap_process_weights(module.Attention)
+        _wrap_process_weights(module.Attention, after_weights)
     elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+        sys.meta_path.insert(0, _PatchOnImport(after_weights))
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Runs _wrap_process_weights right after vLLM's attention module executes."""
+
+    def __init__(self, after_weights: WeightsHook) -> None:
+        self.after_weights = after_weights
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname != ATTENTION_MODULE:
@@ -185,13 +257,13 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             original_exec(module)
-            _wrap_process_weights(module.Attention)
+            _wrap_process_weights(module.Attention, self.after_weights)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
-def _wrap_process_weights(attention_cls: Any) -> None:
+def _wrap_process_weights(attention_cls: Any, after_weights: WeightsHook) -> None:
     original = attention_cls.process_weights_after_loading
     if getattr(original, _WRAPPED_MARK, False):
         return
@@ -200,14 +272,7 @@ def _wrap_process_weights(attention_cls: Any) -> None:
         original(self, act_dtype)
         from vllm.config import get_current_vllm_config
 
-        from kvops.plugin.hooks import settings_of
-
-        vllm_config = get_current_vllm_config()
-        settings = settings_of(vllm_config)
-        if settings is not None and settings.kv_scales is not None:
-            from kvops.plugin.fp8.worker import after_attention_weights
-
-            after_attention_weights(self, vllm_config, settings.kv_scales)
+        after_weights(self, get_current_vllm_config())
 
     setattr(process_weights_after_loading, _WRAPPED_MARK, True)
     attention_cls.process_weights_after_loading = process_weights_after_loading

@@ -1,13 +1,14 @@
 """What the plugin does when vLLM builds its configuration (front-end process).
 
-Each feature adds its validation/config step here; the vLLM-facing wrapper is in _compat.
+Each feature adds its validation/config step here; ``register()`` hands these functions to the
+vLLM-facing wrappers in _compat, which know no feature (so no import runs back up).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvops.plugin.settings import KvopsSettings, load_settings
+from kvops.core.settings import KvopsSettings, load_settings
 
 
 def settings_of(vllm_config: Any) -> KvopsSettings | None:
@@ -17,6 +18,9 @@ def settings_of(vllm_config: Any) -> KvopsSettings | None:
 
 def before_platform_config(vllm_config: Any) -> None:
     """Validate the kvops settings themselves before vLLM's platform hook runs."""
+    from kvops.plugin.metrics import bind_model_name
+
+    bind_model_name(vllm_config)  # before any kvops metric (the in-process warning's gauge)
     settings = settings_of(vllm_config)
     from kvops.plugin.offload.wiring import ensure_connector
 
@@ -31,11 +35,23 @@ def after_platform_config(vllm_config: Any) -> None:
     check_fp8(vllm_config, settings.kv_scales if settings else None)
     if settings is None:
         return
+    from kvops.plugin._compat import install_shutdown_answer
+
+    install_shutdown_answer()
     if settings.offload is not None:
         from kvops.plugin.offload.wiring import configure
 
         configure(vllm_config, settings.offload)
     if settings.admission is not None:
-        from kvops.plugin.admission_wiring import configure as configure_admission
+        from kvops.plugin.admission.wiring import configure as configure_admission
 
         configure_admission(vllm_config, settings.admission)
+
+
+def after_attention_weights(layer: Any, vllm_config: Any) -> None:
+    """A worker finished loading an attention layer's weights: apply calibrated fp8 scales."""
+    settings = settings_of(vllm_config)
+    if settings is not None and settings.kv_scales is not None:
+        from kvops.plugin.fp8.worker import after_attention_weights as apply_scales
+
+        apply_scales(layer, vllm_config, settings.kv_scales)

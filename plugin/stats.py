@@ -26,7 +26,7 @@ class KvopsStatLogger(AggregateStatLoggerBase):
         from kvops.plugin.fp8.metrics import publish_fp8
 
         publish_fp8(vllm_config, settings.kv_scales if settings else None)
-        from kvops.plugin.admission_wiring import install_in_api_server
+        from kvops.plugin.admission.wiring import install_in_api_server
 
         install_in_api_server(vllm_config, settings.admission if settings else None)
 
@@ -37,7 +37,7 @@ class KvopsStatLogger(AggregateStatLoggerBase):
         mm_cache_stats: Any = None,
         engine_idx: int = 0,
     ) -> None:
-        from kvops.plugin import admission_http
+        from kvops.plugin.admission import http as admission_http
 
         front_door = admission_http.door()
         if front_door is not None:

@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-FOLDER_OF = {"kvops.plugin": "plugin", "kvops.ops": "ops", "kvops.loadtest": "loadtest", "kvops": "kvops"}
+FOLDER_OF = {"kvops.core": "core", "kvops.plugin": "plugin", "kvops.ops": "ops", "kvops.loadtest": "loadtest", "kvops": "kvops"}
 
 
 def _package_dirs() -> set[str]:
@@ -54,12 +54,13 @@ print('ok')
 @pytest.mark.parametrize(
     ("package", "prelude"),
     [
+        ("kvops.core", ""),
         ("kvops.ops", ""),
         # As in a Locust process: locust (and its gevent patching) is imported before our code.
         ("kvops.loadtest", "import locust"),
     ],
 )
-def test_ops_and_loadtest_import_without_vllm_or_torch(package, prelude):
+def test_core_ops_and_loadtest_import_without_vllm_or_torch(package, prelude):
     """Every module imports with vllm/torch/lmcache blocked (an SRE laptop, a Locust worker)."""
     code = BLOCK_HEAVY.format(package=package, prelude=prelude)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
@@ -77,3 +78,14 @@ def test_help_imports_no_heavy_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == ""
+
+
+def test_ops_import_contract_names_every_ops_module_but_cli_and_bench():
+    """The 'ops builds on core' contract lists its sources by name: a new ops module is listed."""
+    contracts = {c["name"]: c for c in PYPROJECT["tool"]["importlinter"]["contracts"]}
+    ops_rule = next(c for name, c in contracts.items() if name.startswith("ops builds on core"))
+    children = {f"kvops.ops.{p.stem if p.is_file() else p.name}" for p in (REPO / "ops").iterdir()
+                if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    assert set(ops_rule["source_modules"]) == children - {"kvops.ops.cli", "kvops.ops.bench"}
+    cli_rule = next(c for name, c in contracts.items() if name == "nothing imports the CLI")
+    assert set(cli_rule["source_modules"]) >= children - {"kvops.ops.cli"}

@@ -9,18 +9,19 @@ plain compute); failing when requests error.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvops.loadtest.analysis.stats import mean, percentile
-from kvops.loadtest.metrics import MetricsSample, cache_int, delta, window
+from kvops.core.errors import BadInputError
+from kvops.core.plan import PLAN_COMMANDS, Expectation, KvGroup, read_expectation
+from kvops.core.prom import MetricsSample, cache_int, delta, window
+from kvops.core.stats import mean, percentile
+from kvops.core.verdict import Verdict, healthy
+from kvops.loadtest.analysis.ramp import next_run
+from kvops.loadtest.config import KvExhaustionConfig
 from kvops.loadtest.records import RequestRecord
-from kvops.loadtest.scenarios.config import KvExhaustionConfig
-from kvops.ops.diagnose import Verdict, healthy
-from kvops.ops.errors import BadInputError
 
 OK, KV_BOUND, SEQ_BOUND, COMPUTE_BOUND, FAILING = (
     "ok", "kv-capacity", "max-num-seqs", "compute-bound", "failing")
@@ -52,7 +53,7 @@ class StepResult:
 
 def step_bounds(config: KvExhaustionConfig, started_at: float) -> list[tuple[int, float, float]]:
     return [(users, started_at + i * config.step_s, started_at + (i + 1) * config.step_s)
-            for i, users in enumerate(config.steps)]
+            for i, users in enumerate(config.steps or [])]
 
 
 def measure_step(index: int, users: int, start: float, end: float, config: KvExhaustionConfig,
@@ -113,67 +114,65 @@ def predicted_concurrency(sample: MetricsSample | None, tokens_per_request: floa
             "predicted_max_concurrency": (blocks - 1) // per_request}
 
 
-def load_expectation(path: Path) -> dict[str, Any]:
-    """The capacity part of ``kvops plan --json`` or ``kvops kv-capacity --json`` output."""
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadInputError(f"--expect {path}: cannot read it as JSON ({exc})") from None
-    capacity = doc.get("capacity") if isinstance(doc, dict) else None
-    expected = capacity if isinstance(capacity, dict) else doc
-    if not isinstance(expected, dict) or not all(
-            isinstance(expected.get(k), int) and expected[k] > 0 for k in ("num_blocks", "block_size")):
-        raise BadInputError(f"--expect {path}: not a plan; pass the JSON of `kvops plan --json` or "
-                            "`kvops kv-capacity --json` for this server")
-    out = dict(expected)
-    if isinstance(doc.get("max_num_seqs"), int):
-        out["max_num_seqs"] = doc["max_num_seqs"]
-    return out
+def load_expectation(path: Path) -> Expectation:
+    """``kvops plan --json`` or ``kvops kv-capacity --json`` output; it must give the KV pool."""
+    expected = read_expectation(path)
+    if expected.capacity.pool() is None:
+        raise BadInputError(f"--expect {path}: not a plan; pass the JSON of {PLAN_COMMANDS} for this server")
+    return expected
 
 
-def _group_blocks(group: dict[str, Any], tokens: int, size: int) -> int:
+def _group_blocks(group: KvGroup, tokens: int, size: int) -> int:
     """Blocks one request of ``tokens`` holds in a KV group, by the rules of
     kvops.ops.capacity.allocator.Spec.blocks_per_request (whose value at max_model_len the
     document carries as the group's ceiling): a sliding window keeps one block more than it
     covers, a mamba group a fixed number."""
-    need = math.ceil(tokens / int(group.get("block_size") or size))
-    kind, ceiling = group.get("kind", "full"), group.get("blocks_per_request")
-    if not isinstance(ceiling, int) or ceiling <= 0:
+    need = math.ceil(tokens / (group.block_size or size))
+    kind, ceiling = group.kind, group.blocks_per_request
+    if ceiling <= 0:
         return need
     if kind == "mamba":
         return ceiling
     return min(need + 1 if kind == "sliding" else need, ceiling)
 
 
-def planned_concurrency(expected: dict[str, Any], tokens_per_request: float) -> dict[str, Any]:
+def planned_concurrency(expected: Expectation, tokens_per_request: float) -> dict[str, Any]:
     """What the planner predicts for requests of this length: their blocks summed over the KV
     groups, out of num_blocks − 1 usable ones (block 0 is vLLM's null block), as
     kvops.ops.capacity.plan.derive_max_num_seqs counts them."""
-    if tokens_per_request <= 0:
+    pool = expected.capacity.pool()
+    if tokens_per_request <= 0 or pool is None:
         return {}
-    size = int(expected["block_size"])
-    groups = expected.get("groups") or [{"kind": "full", "block_size": size}]
-    per_request = sum(_group_blocks(g, math.ceil(tokens_per_request), size) for g in groups)
-    out = {"plan_num_blocks": expected["num_blocks"], "plan_block_size": size,
-           "plan_blocks_per_request": per_request,
-           "plan_predicted_max_concurrency": (int(expected["num_blocks"]) - 1) // max(per_request, 1)}
-    if "max_num_seqs" in expected:
-        out["plan_max_num_seqs"] = expected["max_num_seqs"]
+    num_blocks, size = pool
+    tokens = math.ceil(tokens_per_request)
+    groups = expected.capacity.groups
+    per_request = (sum(_group_blocks(g, tokens, size) for g in groups) if groups
+                   else math.ceil(tokens / size))  # one full-attention group
+    out = {"plan_num_blocks": num_blocks, "plan_block_size": size, "plan_blocks_per_request": per_request,
+           "plan_predicted_max_concurrency": (num_blocks - 1) // max(per_request, 1)}
+    if expected.max_num_seqs is not None:
+        out["plan_max_num_seqs"] = expected.max_num_seqs
     return out
 
 
 def analyse(config: KvExhaustionConfig, records: list[RequestRecord], samples: list[MetricsSample],
-            started_at: float, expected: dict[str, Any] | None = None,
-            ) -> tuple[list[StepResult], list[Verdict]]:
+            started_at: float, expected: Expectation | None = None,
+            ramp: dict[str, Any] | None = None) -> tuple[list[StepResult], list[Verdict]]:
+    """``ramp``: how the steps were sized from the server (None: the operator gave them)."""
     steps: list[StepResult] = []
     for i, (users, start, end) in enumerate(step_bounds(config, started_at)):
         step = measure_step(i, users, start, end, config, records, samples)
         step.classification = classify(step, steps[-1] if steps else None, config)
         steps.append(step)
     prompt = mean([float(r.prompt_tokens) for r in records if r.prompt_tokens]) or 0.0
-    plan = predicted_concurrency(samples[-1] if samples else None, prompt + config.workload.max_tokens)
+    tokens = prompt + config.workload.max_tokens
+    if ramp is not None and ramp.get("tokens_per_request"):
+        # the length the ramp was sized with: a dataset's bodies carry their own max_tokens,
+        # and the knee the verdict names must be the one the ramp stepped past
+        tokens = float(ramp["tokens_per_request"])
+    plan = predicted_concurrency(samples[-1] if samples else None, tokens)
     if expected is not None:
-        plan.update(planned_concurrency(expected, prompt + config.workload.max_tokens))
+        plan.update(planned_concurrency(expected, tokens))
         if "num_gpu_blocks" in plan:
             plan["plan_matches_server_blocks"] = plan["plan_num_blocks"] == plan["num_gpu_blocks"]
     knee = next((s for s in steps if s.classification != OK), None)
@@ -182,8 +181,10 @@ def analyse(config: KvExhaustionConfig, records: list[RequestRecord], samples: l
         "steps": [{"users": s.users, "class": s.classification} for s in steps], **plan,
         "last_ok_users": ok_steps[-1].users if ok_steps else 0,
     }
+    if ramp is not None:
+        evidence["ramp"] = ramp
     if knee is None:
-        return steps, [healthy(**evidence, max_users_tested=steps[-1].users)]
+        return steps, [_no_limit(config, steps, evidence, ramp)]
     evidence.update({
         "knee_users": knee.users, "waiting_max": knee.waiting_max, "running_max": knee.running_max,
         "kv_usage_max": round(knee.kv_usage_max, 4), "preemptions": knee.preemptions,
@@ -203,6 +204,36 @@ def analyse(config: KvExhaustionConfig, records: list[RequestRecord], samples: l
             f"requests of this length fit in its {plan['plan_num_blocks']} blocks"
             + (f" and sets max_num_seqs {seqs}" if seqs is not None else ""))
     return steps, [Verdict("kv-exhaustion", knee.classification, evidence, _next(knee.classification))]
+
+
+CLIENT_KEPT = 0.5
+"""Share of a step's users the server must see (running + waiting) for the step to count as
+offered: closed-loop users each keep one request in flight, unless the client falls behind."""
+
+
+def _no_limit(config: KvExhaustionConfig, steps: list[StepResult], evidence: dict[str, Any],
+              ramp: dict[str, Any] | None) -> Verdict:
+    """No step bound: healthy only about the load the operator asked for; a sized ramp that
+    ended below the knee, or a client that did not keep its users in flight, tested nothing."""
+    top = steps[-1] if steps else None
+    seen = (top.running_max + top.waiting_max) if top else 0.0
+    evidence.update({
+        "max_users_tested": top.users if top else 0, "limit_reached": False,
+        "kv_usage_max_reached": round(max((s.kv_usage_max for s in steps), default=0.0), 4),
+        "running_max_at_top": top.running_max if top else 0.0,
+    })
+    if top is not None and seen < CLIENT_KEPT * top.users:
+        return Verdict("inconclusive", "client-bound", {**evidence, "in_flight_seen_at_top": seen},
+                       f"the server saw at most {seen:.0f} of the {top.users} users' requests: the "
+                       "load generator fell behind; rerun with --workers N or on a machine with "
+                       "more CPU for the client (runbooks/kv-exhaustion.md)")
+    if ramp is None:
+        predicted = evidence.get("predicted_max_concurrency")
+        evidence["note"] = (f"no limit bound up to the {evidence['max_users_tested']} users asked "
+                            "for" + (f"; the KV cache holds ~{predicted} such requests, a limit "
+                                     "this run did not test" if predicted else ""))
+        return healthy(**evidence)
+    return Verdict("inconclusive", "limit-not-reached", evidence, next_run(ramp, config))
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -11,6 +11,11 @@ Three rates, all token-weighted over the run:
 intended ≫ ideal means the prompts themselves drift (a timestamp, a template or tokenizer
 difference) and we locate the first differing token; ideal ≫ measured means the cache lost
 blocks (disabled, evicted, or the offload tier missed).
+
+A fourth, could-be, needs no declared intent (an operator's --dataset has none): the shared
+structure is inferred from the prompts (kvops.loadtest.analysis.drift), and could-be is what
+they would hit with the per-request part moved after the shared text. could-be ≫ ideal is
+drift in prompts we did not write.
 """
 
 from __future__ import annotations
@@ -19,12 +24,16 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from kvops.core.prom import MetricsSample, cache_int, delta, prefix_caching_enabled
+from kvops.core.verdict import Verdict, healthy
+from kvops.loadtest.analysis import drift
+from kvops.loadtest.analysis.drift import block_chain
 from kvops.loadtest.analysis.tokens import ServerTokenizer, common_prefix_len
-from kvops.loadtest.metrics import MetricsSample, cache_int, delta, prefix_caching_enabled
 from kvops.loadtest.records import RequestRecord
-from kvops.ops.diagnose import Verdict, healthy
 
 DEFAULT_BLOCK = 128
+MIN_GAIN = 0.05
+"""Could-be minus ideal hit rate (token-weighted) that makes inferred drift worth a verdict."""
 
 
 @dataclass
@@ -34,30 +43,34 @@ class PrefixTokens:
     intended: int  # tokens meant to be shared (LCP of the prompt with its shared part)
 
 
-def block_chain(tokens: list[int], block: int) -> list[int]:
-    """Hash of each whole-block prefix, as vLLM's prefix cache chains block hashes."""
-    out, h = [], 0
-    for k in range(len(tokens) // block):
-        h = hash((h, tuple(tokens[k * block:(k + 1) * block])))
-        out.append(h)
-    return out
-
-
 def ideal_hits(items: list[PrefixTokens], block: int) -> list[int]:
-    """Cacheable tokens per request with an infinite cache, respecting what had been prefilled."""
-    hits = []
-    for item in items:
-        seen: set[int] = set()
-        for other in items:
-            first = other.record.first_token_at
-            if other is not item and first is not None and first <= item.record.sent_at:
-                seen.update(block_chain(other.tokens, block))
+    """Cacheable tokens per request with an infinite cache, respecting what had been prefilled:
+    another request's blocks count once its first token came at or before this one was sent.
+    Requests are walked in send order, prefills added as their time passes (a trace replay has
+    thousands)."""
+    chains = [block_chain(i.tokens, block) for i in items]
+    prefilled = sorted((first, n) for n, i in enumerate(items)
+                       if (first := i.record.first_token_at) is not None)
+    seen: Counter[int] = Counter()
+    added: set[int] = set()
+    hits, j = [0] * len(items), 0
+    for n in sorted(range(len(items)), key=lambda n: items[n].record.sent_at):
+        item = items[n]
+        while j < len(prefilled) and prefilled[j][0] <= item.record.sent_at:
+            seen.update(chains[prefilled[j][1]])
+            added.add(prefilled[j][1])
+            j += 1
+        mine = n in added  # its own prefill never counts for it
+        if mine:
+            seen.subtract(chains[n])
         # the last prompt token is always computed, so at most (len-1) tokens can hit
-        chain = block_chain(item.tokens[: max(len(item.tokens) - 1, 0)], block)
+        usable = (len(item.tokens) - 1) // block
         k = 0
-        while k < len(chain) and chain[k] in seen:
+        while k < usable and seen[chains[n][k]] > 0:
             k += 1
-        hits.append(k * block)
+        if mine:
+            seen.update(chains[n])
+        hits[n] = k * block
     return hits
 
 
@@ -101,31 +114,73 @@ def analyse(records: list[RequestRecord], samples: list[MetricsSample], tokenize
     queries = delta(samples[0], samples[-1], "prefix_queries") if len(samples) >= 2 else 0.0
     hits = delta(samples[0], samples[-1], "prefix_hits") if len(samples) >= 2 else 0.0
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    inferred = infer_shared(items, ideal, block)
     summary: dict[str, Any] = {
         "requests": len(ok), "block_size": block, "prompt_tokens": prompt_total,
         "intended_hit_rate": round(sum(intended) / prompt_total, 4),
         "ideal_hit_rate": round(sum(ideal) / prompt_total, 4),
+        "could_be_hit_rate": round(sum(inferred.could_be) / prompt_total, 4),
         "measured_hit_rate": round(hits / queries, 4) if queries else 0.0,
         "prefix_cache_queries": queries, "prefix_cache_hits": hits,
         "per_request_cached_tokens": sum(cached) if cached else None,
         "enable_prefix_caching": last.cache_config.get("enable_prefix_caching") if last else None,
     }
-    return summary, [_verdict(summary, items, samples, tokenizer, min_ratio)]
+    return summary, [_verdict(summary, items, samples, tokenizer, min_ratio, inferred)]
+
+
+@dataclass(frozen=True)
+class Inferred:
+    """The structure the prompts themselves share (drift.py), over the run's requests."""
+
+    unique: list[list[int]]
+    structures: list[drift.Structure]
+    rates: drift.Rates
+    """Over the distinct prompts, each sent once: repeats of one prompt hide drift."""
+    could_be: list[int]
+    """Per request: its ideal hits, or its group's shared tokens in whole blocks once another
+    request of the group had its first token before it was sent."""
+
+
+def infer_shared(items: list[PrefixTokens], ideal: list[int], block: int) -> Inferred:
+    """The prompts' own shared structure, and each request's could-be hits."""
+    unique, where = drift.distinct([i.tokens for i in items])
+    structures = drift.infer(unique)
+    group_of = {m: g for g, s in enumerate(structures) for m in s.members}
+    # per group, its two earliest first tokens: enough to tell whether another member had one
+    earliest: dict[int, list[tuple[float, int]]] = {}
+    for n, item in enumerate(items):
+        first, g = item.record.first_token_at, group_of.get(where[n])
+        if first is not None and g is not None:
+            earliest[g] = sorted([*earliest.get(g, []), (first, n)])[:2]
+    could_be = list(ideal)
+    for n, item in enumerate(items):
+        g = group_of.get(where[n])
+        if g is None or not any(k != n and first <= item.record.sent_at
+                                for first, k in earliest.get(g, [])):
+            continue
+        usable = min(structures[g].shared_tokens, max(len(item.tokens) - 1, 0))
+        could_be[n] = max(could_be[n], usable // block * block)
+    return Inferred(unique, structures, drift.rates(unique, structures, block), could_be)
 
 
 def _verdict(s: dict[str, Any], items: list[PrefixTokens], samples: list[MetricsSample],
-             tokenizer: ServerTokenizer, min_ratio: float) -> Verdict:
+             tokenizer: ServerTokenizer, min_ratio: float, inferred: Inferred) -> Verdict:
     intended, ideal, measured = s["intended_hit_rate"], s["ideal_hit_rate"], s["measured_hit_rate"]
     expected = max(intended, ideal)
-    if expected < 0.02 or measured >= min_ratio * expected:
-        return healthy(**s)
-    if samples and prefix_caching_enabled(samples[-1]) is False:
+    cache_fails = expected >= 0.02 and measured < min_ratio * expected
+    if cache_fails and samples and prefix_caching_enabled(samples[-1]) is False:
         return Verdict("prefix-miss", "prefix-caching-disabled", s,
                        "restart vllm serve without --no-enable-prefix-caching (runbooks/prefix-miss.md)")
-    drift = drift_point(items) if ideal < min_ratio * intended else None
-    if drift is not None:
-        index, group = drift
-        member = next(i for i in items if i.record.group == group)
+    found = inferred_drift(s, inferred, tokenizer)
+    declared = any(i.record.group is not None for i in items)
+    if found is not None and (not declared or not ideal < min_ratio * intended):
+        return found
+    if not cache_fails:
+        return healthy(**s)
+    point = drift_point(items) if ideal < min_ratio * intended else None
+    if point is not None:
+        index, group = point
+        member = next(i for i in items if str(i.record.group) == group)
         return Verdict("prefix-miss", "prefix-drift", {
             **s, "first_differing_token": index, "group": group,
             "text_before": tokenizer.text(member.tokens[max(0, index - 12):index]),
@@ -146,6 +201,39 @@ def _verdict(s: dict[str, Any], items: list[PrefixTokens], samples: list[Metrics
                                                "preemptions": preempt},
                    "shared blocks are evicted before reuse: give the KV cache more memory or "
                    "offload it (runbooks/prefix-miss.md)")
+
+
+def inferred_drift(s: dict[str, Any], inferred: Inferred, tokenizer: ServerTokenizer
+                   ) -> Verdict | None:
+    """prefix-drift read from the prompts' own structure, when moving their varying part would
+    gain at least MIN_GAIN of the tokens."""
+    drifting = [x for x in inferred.structures if x.drifts]
+    if not drifting or inferred.rates.could_be - inferred.rates.ideal < MIN_GAIN:
+        return None
+    top = max(drifting, key=lambda x: (len(x.members), x.shared_after))
+    rep = inferred.unique[top.representative]
+    index, (start, end) = top.first_differing_token, top.varying
+    other = inferred.unique[top.members[1]]
+    evidence = {
+        **s, "first_differing_token": index, "inferred_from": "prompts",
+        "prompts_in_group": len(top.members), "distinct_prompts": len(inferred.unique),
+        "shared_tokens": top.shared_tokens, "shared_after_drift_tokens": top.shared_after,
+        "distinct_ideal_hit_rate": inferred.rates.ideal,
+        "distinct_could_be_hit_rate": inferred.rates.could_be,
+        "reordered": top.reordered,
+        "text_before": tokenizer.text(rep[max(0, index - 12):index]),
+        "varying_text": tokenizer.text(rep[start:min(end, start + 32)]) if end > start else "",
+        "text_from": [tokenizer.text(rep[index:index + 12]), tokenizer.text(other[index:index + 12])],
+    }
+    what = ("shared text appears in a different order per request (a shuffled list?): sort it"
+            if top.reordered else
+            "a per-request part sits inside shared text: move it (timestamps, ids) after the "
+            "shared part")
+    return Verdict("prefix-miss", "prefix-drift", evidence,
+                   f"{len(top.members)} near-identical prompts differ from token {index} on, "
+                   f"with {top.shared_after} shared tokens after it: {what}; the hit rate could "
+                   f"be {s['could_be_hit_rate']} instead of {s['ideal_hit_rate']} "
+                   "(runbooks/prefix-miss.md)")
 
 
 def _tokens_of(record: RequestRecord, tokenizer: ServerTokenizer) -> PrefixTokens:

@@ -10,14 +10,17 @@ from typing import Any
 
 import requests
 
-from kvops.ops.errors import KvopsError
+from kvops.core import http
+from kvops.core.errors import BadInputError, KvopsError
 
 
 class ServerTokenizer:
-    def __init__(self, url: str, model: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, model: str, timeout_s: float = 30.0,
+                 headers: dict[str, str] | None = None) -> None:
         self.url = url.rstrip("/")
         self.model = model
         self.timeout_s = timeout_s
+        self.headers = headers or {}
         self._cache: dict[str, list[int]] = {}
 
     def tokens(self, prompt: Any, *, add_generation_prompt: bool = True) -> list[int]:
@@ -39,22 +42,40 @@ class ServerTokenizer:
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            resp = requests.post(self.url + path, json=body, timeout=self.timeout_s)
-            resp.raise_for_status()
+            resp = requests.post(self.url + path, json=body, timeout=self.timeout_s,
+                                 headers=self.headers)
+            _raise_for_status(resp)
             data: dict[str, Any] = resp.json()
         except (requests.RequestException, ValueError) as exc:
             raise KvopsError(f"{self.url}{path} failed: {exc}") from exc
         return data
 
 
-def served_model(url: str, timeout_s: float = 30.0) -> str:
-    """The first model id the server serves (OpenAI /v1/models)."""
+def served_model(url: str, timeout_s: float = 30.0, headers: dict[str, str] | None = None,
+                 wanted: str | None = None) -> str:
+    """``wanted`` if the server serves it (a --served-model-name), else the first model id
+    it lists (OpenAI /v1/models)."""
     try:
-        resp = requests.get(url.rstrip("/") + "/v1/models", timeout=timeout_s)
-        resp.raise_for_status()
-        return str(resp.json()["data"][0]["id"])
-    except (requests.RequestException, ValueError, KeyError, IndexError) as exc:
+        resp = http.get(url.rstrip("/") + "/v1/models", timeout_s, headers=headers)
+        _raise_for_status(resp)
+        ids = [str(m["id"]) for m in resp.json()["data"]]
+        first = ids[0]
+    except (requests.RequestException, ValueError, KeyError, IndexError, TypeError) as exc:
         raise KvopsError(f"cannot list models at {url}/v1/models: {exc}") from exc
+    if wanted and wanted not in ids:
+        raise BadInputError(f"--model {wanted!r}: {url} serves {', '.join(ids)} "
+                            "(the names given to vllm serve --served-model-name)")
+    return wanted or first
+
+
+def _raise_for_status(resp: requests.Response) -> None:
+    """401/403 say what to pass; anything else as requests words it."""
+    if resp.status_code in (401, 403):
+        sent = "the key sent was refused" if "Authorization" in resp.request.headers else "no key sent"
+        raise BadInputError(f"{resp.url} answered {resp.status_code} ({sent}): pass the server's key "
+                            "with --api-key KEY or OPENAI_API_KEY=KEY (and --header 'Name: value' "
+                            "for what a proxy in front of it wants)")
+    resp.raise_for_status()
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -11,11 +11,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvops.loadtest.analysis.stats import bootstrap_relative_change, mean, percentile
-from kvops.loadtest.metrics import MetricsSample, delta
+import numpy as np
+
+from kvops.core.prom import MetricsSample, delta
+from kvops.core.stats import (
+    Rows,
+    RowStatistic,
+    bootstrap_relative_change,
+    mean,
+    percentile,
+    point,
+    row_mean,
+    row_percentile,
+)
+from kvops.core.verdict import Verdict, healthy
+from kvops.loadtest.analysis import load
+from kvops.loadtest.config import TtftRegressionConfig
 from kvops.loadtest.records import RequestRecord
-from kvops.loadtest.scenarios.config import TtftRegressionConfig
-from kvops.ops.diagnose import Verdict, healthy
 
 COMPONENTS = ("queue", "prefill", "ttft", "decode", "itl")
 Interval = tuple[float, float]  # (Δsum, Δcount)
@@ -58,9 +70,11 @@ def summarise(config: TtftRegressionConfig, records: Sequence[RequestRecord],
     first_sent = min((r.sent_at for r in records), default=0.0)
     sent_span = max((r.sent_at for r in records), default=0.0) - first_sent
     done_span = max((r.done_at for r in done), default=0.0) - first_sent
+    arrival = round((len(records) - 1) / sent_span, 3) if sent_span > 0 else None
     return {
-        "rate_rps": config.rate_rps,
-        "arrival_rate_rps": round((len(records) - 1) / sent_span, 3) if sent_span > 0 else None,
+        "rate_rps": config.rate_rps, "users": config.users,
+        "load": load.offered(records, samples, arrival),
+        "arrival_rate_rps": arrival,
         "completion_rate_rps": round(len(done) / done_span, 3) if done and done_span > 0 else None,
         "ttft_p50_s": percentile(client["ttft_s"], 50), "ttft_p90_s": percentile(client["ttft_s"], 90),
         "ttft_p99_s": percentile(client["ttft_s"], 99), "itl_mean_s": mean(client["itl_mean_s"]),
@@ -71,12 +85,15 @@ def summarise(config: TtftRegressionConfig, records: Sequence[RequestRecord],
     }
 
 
-def _p(q: float) -> Any:
-    return lambda xs: percentile(xs, q)
+def row_pooled_mean(rows: Rows) -> Rows:
+    """``pooled_mean`` of each row of (Δsum, Δcount) intervals."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        result: Rows = rows[..., 0].sum(axis=1) / rows[..., 1].sum(axis=1)
+    return result
 
 
-CLIENT_METRICS = {"ttft_p50": ("ttft_s", _p(50)), "ttft_p90": ("ttft_s", _p(90)),
-                  "itl_mean": ("itl_mean_s", mean), "e2e_p50": ("e2e_s", _p(50))}
+CLIENT_METRICS = {"ttft_p50": ("ttft_s", row_percentile(50)), "ttft_p90": ("ttft_s", row_percentile(90)),
+                  "itl_mean": ("itl_mean_s", row_mean), "e2e_p50": ("e2e_s", row_percentile(50))}
 
 
 def compare(config: TtftRegressionConfig, base: dict[str, Any], cand: dict[str, Any]
@@ -88,21 +105,68 @@ def compare(config: TtftRegressionConfig, base: dict[str, Any], cand: dict[str, 
     for name in COMPONENTS:
         b = [tuple(x) for x in base["intervals"].get(name, [])]
         c = [tuple(x) for x in cand["intervals"].get(name, [])]
-        table["server_" + name] = _row(config, b, c, pooled_mean)
+        table["server_" + name] = _row(config, b, c, row_pooled_mean)
     regressed = [n for n in ("ttft_p50", "ttft_p90", "itl_mean") if table[n].get("regressed")]
+    late = load.behind(base, cand, config.late_s)
+    cpu_bound = [x for x in late if not x.pool_exhausted]
+    if cpu_bound and not server_outgrew_lateness(table, cpu_bound):
+        return table, [_client_bound(table, base, cand, config, cpu_bound)]
+    if cpu_bound:
+        regressed = [*regressed, "server_ttft"]
     if not regressed:
-        return table, [healthy(compared_with="baseline", **_headline(table))]
-    return table, [_cause_verdict(table, base, cand, regressed)]
+        return table, [healthy(compared_with="baseline", **_headline(table),
+                               **_load_evidence(base, cand, config, late))]
+    return table, [_cause_verdict(table, base, cand, regressed, config, late)]
 
 
-def _row(config: TtftRegressionConfig, base: Sequence[Any], cand: Sequence[Any], stat: Any) -> dict[str, Any]:
+def server_outgrew_lateness(table: dict[str, Any], late: Sequence[load.Lateness]) -> bool:
+    """The server's own TTFT (vLLM's histograms, blind to the client's clock) regressed, and its
+    mean grew by more than the worst late send was late: a client behind its schedule sends
+    late requests together, and such a burst adds at most about its own lateness to their wait,
+    so what is left over is the server's. The client's percentiles stay unreliable (a starved
+    client also reads its clock late), the verdict then rests on the server's numbers."""
+    row = table.get("server_ttft", {})
+    b, c = row.get("baseline"), row.get("candidate")
+    if not row.get("regressed") or b is None or c is None:
+        return False
+    return bool(c - b > max(x.lateness_p99_s for x in late))
+
+
+def _load_evidence(base: dict[str, Any], cand: dict[str, Any], config: TtftRegressionConfig,
+                   late: list[load.Lateness]) -> dict[str, Any]:
+    cmp = load.compare(base, cand, config.load_tolerance_rel)
+    out: dict[str, Any] = {"load_ratio": cmp.ratios, "work_ratio": cmp.work_ratio,
+                           "comparable_load": not cmp.higher and (cmp.work_ratio or 1.0) >= 1 / (
+                               1 + config.load_tolerance_rel),
+                           "comparison_reliable": not late}
+    if late:
+        out["client_behind"] = [x.to_dict() for x in late]
+    return out
+
+
+def _client_bound(table: dict[str, Any], base: dict[str, Any], cand: dict[str, Any],
+                  config: TtftRegressionConfig, late: list[load.Lateness]) -> Verdict:
+    sides = " and ".join(
+        f"the {x.side} (send lateness p99 {x.lateness_p99_s} s"
+        + (f", {x.late_share:.0%} of sends over {config.late_s:g} s late)" if x.late_share is not None else ")")
+        for x in late)
+    return Verdict("inconclusive", "client-bound", {**_headline(table),
+                                                     **_load_evidence(base, cand, config, late)},
+                   f"the load generator fell behind its arrival schedule in {sides} with users to "
+                   "spare: the load compared is not the load asked for. Rerun with --workers N "
+                   "(or on a machine with more CPU for the client) and compare again "
+                   "(runbooks/ttft-regression.md)")
+
+
+def _row(config: TtftRegressionConfig, base: Sequence[Any], cand: Sequence[Any],
+         stat: RowStatistic) -> dict[str, Any]:
     result = bootstrap_relative_change(base, cand, stat, resamples=config.resamples,
                                        confidence=config.confidence)
-    if result is None:
-        return {"baseline": stat(base) if base else None, "candidate": stat(cand) if cand else None}
-    point, low, high = result
-    b, c = stat(base), stat(cand)
-    return {"baseline": b, "candidate": c, "change": round(point, 4), "ci_low": round(low, 4),
+    b, c = point(base, stat), point(cand, stat)
+    if result is None or b is None or c is None:
+        return {"baseline": b, "candidate": c}
+    change, low, high = result
+    return {"baseline": b, "candidate": c, "change": round(change, 4), "ci_low": round(low, 4),
             "ci_high": round(high, 4),
             "regressed": low > config.threshold_rel and (c - b) > config.min_abs_s}
 
@@ -113,18 +177,24 @@ def _headline(table: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cause_verdict(table: dict[str, Any], base: dict[str, Any], cand: dict[str, Any],
-                   regressed: list[str]) -> Verdict:
+                   regressed: list[str], config: TtftRegressionConfig,
+                   late: list[load.Lateness]) -> Verdict:
     def grew(name: str) -> float:
         row = table.get("server_" + name, {})
         b, c = row.get("baseline"), row.get("candidate")
         return (c - b) if b is not None and c is not None else 0.0
 
     d_queue, d_prefill, d_ttft = grew("queue"), grew("prefill"), grew("ttft")
-    ttft_regressed = any(n.startswith("ttft") for n in regressed)
-    if not ttft_regressed:
-        cause = "decode"
-    elif d_queue >= d_prefill and d_queue > 0:
+    ttft_regressed = any(n.startswith("ttft") or n == "server_ttft" for n in regressed)
+    more = load.compare(base, cand, config.load_tolerance_rel)
+    # load first: with more work offered every phase slows, and only the queue says whether
+    # admission (not batch contention) took the time
+    if ttft_regressed and d_queue >= d_prefill and d_queue > config.min_abs_s:
         cause = "queueing"
+    elif more.higher:
+        cause = "load"
+    elif not ttft_regressed:
+        cause = "decode"
     elif d_prefill > 0:
         cause = "prefill"
     else:
@@ -139,13 +209,29 @@ def _cause_verdict(table: dict[str, Any], base: dict[str, Any], cand: dict[str, 
         "arrival_over_drain": round(arrival / drain, 2) if arrival and drain else None,
         "baseline_rate_rps": base.get("rate_rps"), "candidate_rate_rps": cand.get("rate_rps"),
         "lateness_p99_s": cand.get("lateness_p99_s"),
+        **_load_evidence(base, cand, config, late),
     }
+    if "server_ttft" in regressed:
+        evidence["verdict_basis"] = "server"
+    grown = ", ".join(more.grew(config.load_tolerance_rel)) or "work"
     nxt = {
+        "load": f"the candidate offered {more.work_ratio}x the baseline's work ({grown} grew) and "
+                "every phase slowed with it: that is load, not a slower phase. Compare at the "
+                "baseline's rate and lengths, or size for this load: find the knee with `kvops "
+                "loadtest kv-exhaustion` and add replicas (runbooks/ttft-regression.md)",
         "queueing": "TTFT grew in the queue: arrivals outpace the drain rate; add replicas, lower "
                     "the rate, or raise --max-num-seqs if KV allows (runbooks/ttft-regression.md)",
-        "prefill": "TTFT grew in prefill: longer prompts, lost prefix hits or a slower build; run "
-                   "`kvops loadtest prefix-miss` and compare prompt lengths (runbooks/ttft-regression.md)",
+        "prefill": "TTFT grew in prefill at comparable load and lengths: lost prefix hits or a "
+                   "slower build or flags; run `kvops loadtest prefix-miss` and compare the "
+                   "builds (runbooks/ttft-regression.md)",
         "decode": "decode got slower (ITL): check batch size, KV dtype and the build "
                   "(runbooks/ttft-regression.md)",
     }[cause]
+    if "server_ttft" in regressed:
+        nxt += (" — the client fell behind its schedule, so its own percentiles are unreliable, "
+                "but the server's TTFT (its histograms) grew by more than the client was late: "
+                "this verdict rests on the server's numbers")
+    elif late:
+        nxt += (" — the client fell behind its schedule ("
+                + "; ".join(x.to_dict()["why"] for x in late) + "): the comparison is unreliable")
     return Verdict("ttft-regression", cause, evidence, nxt)

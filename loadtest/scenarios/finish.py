@@ -11,10 +11,10 @@ from typing import Any
 
 from locust.env import Environment
 
+from kvops.core.errors import EXIT_ERROR, KvopsError
 from kvops.loadtest.finalize import Run, finalize
 from kvops.loadtest.hooks.store import store_of
-from kvops.loadtest.scenarios.glue import config_of, model_of
-from kvops.ops.errors import EXIT_ERROR, KvopsError
+from kvops.loadtest.scenarios.context import config_of, endpoint_of, model_of, processes_of
 
 log = logging.getLogger("kvops.loadtest")
 
@@ -34,7 +34,10 @@ def finish(environment: Environment) -> None:
             samples=scraper.samples, out_dir=out,
             baseline=Path(opts.kvops_baseline) if opts.kvops_baseline else None,
             expect=Path(opts.kvops_expect) if getattr(opts, "kvops_expect", "") else None,
-            processes=max(1, int(opts.kvops_processes)),
+            replay=getattr(environment, "kvops_replay", None),
+            processes=processes_of(environment), headers=endpoint_of(environment).header_dict(),
+            ramp=getattr(environment, "kvops_ramp", None),
+            replicas=getattr(scraper, "replicas", None),
         )
         result, code = finalize(run)
     except KvopsError as exc:

@@ -7,90 +7,55 @@ at import. All per-run state hangs off the Environment (one per Locust process).
 
 from __future__ import annotations
 
-import random
 import time
-from pathlib import Path
 from typing import Any
 
+import gevent
 from locust import events
 from locust.env import Environment
-from locust.runners import WorkerRunner
+from locust.runners import MasterRunner, WorkerRunner
 
-from kvops.loadtest.analysis.tokens import served_model
-from kvops.loadtest.hooks.scraper import MetricsScraper
+from kvops.core.endpoint import API_KEY_ENV
+from kvops.core.promql import DEFAULT_SELECTOR
+from kvops.loadtest.hooks.progress import ProgressPrinter
+from kvops.loadtest.hooks.scraper import MetricsScraper, PrometheusSampler
 from kvops.loadtest.hooks.store import install_merging, store_of
-from kvops.loadtest.scenarios.config import ScenarioConfig, TtftRegressionConfig, load_config
-from kvops.loadtest.scenarios.workloads import load_dataset
-from kvops.loadtest.shapes.poisson import ArrivalSchedule
+from kvops.loadtest.scenarios import context
+from kvops.loadtest.scenarios.finish import finish
+
+# (flag, default, help): each on Locust's web UI, and settable as KVOPS_<NAME> (env_var below)
+_OPTIONS: tuple[tuple[str, Any, str], ...] = (
+    ("--kvops-config", "", "scenario YAML (default: the packaged one)"),
+    ("--kvops-users", 0, "users (kv-exhaustion: the last step; 0: the scenario's)"),
+    ("--kvops-rate", 0.0, "arrival rate, req/s, over all processes (ttft-regression)"),
+    ("--kvops-duration", 0.0, "run length, s (0: the scenario's)"),
+    ("--kvops-dataset", "", "JSONL of request bodies to replay"),
+    ("--kvops-baseline", "", "ttft-regression result JSON to compare with"),
+    ("--kvops-expect", "", "kv-exhaustion: `kvops plan --json` / `kvops kv-capacity --json` output"),
+    ("--kvops-out", "", "report folder (default kvops-loadtest/SCENARIO-TIME)"),
+    ("--kvops-model", "", "served model name (default: the first of /v1/models)"),
+    ("--kvops-progress", 5.0, "seconds between progress lines on stderr (0: none)"),
+    ("--kvops-prometheus", "", "read the metrics from this Prometheus, per replica (behind a load balancer)"),
+    ("--kvops-selector", DEFAULT_SELECTOR, "with --kvops-prometheus: the replicas' label matchers"),
+)
+
+
+def env_var(flag: str) -> str:
+    return flag.lstrip("-").upper().replace("-", "_")
 
 
 def add_arguments(parser: Any) -> None:
-    group = parser.add_argument_group("kvops")
-    group.add_argument("--kvops-config", default="", help="scenario YAML (default: the packaged one)")
-    group.add_argument("--kvops-users", type=int, default=0, help="users (kv-exhaustion: last step)")
-    group.add_argument("--kvops-rate", type=float, default=0.0, help="arrival rate, req/s (all processes)")
-    group.add_argument("--kvops-duration", type=float, default=0.0, help="run length, s")
-    group.add_argument("--kvops-dataset", default="", help="JSONL of request bodies to replay")
-    group.add_argument("--kvops-baseline", default="", help="ttft-regression result to compare with")
-    group.add_argument("--kvops-expect", default="", help="kv-exhaustion: plan/kv-capacity JSON")
-    group.add_argument("--kvops-out", default="", help="report folder")
-    group.add_argument("--kvops-processes", type=int, default=1, help="load-generating processes")
-
-
-def _options(environment: Environment) -> Any:
-    return environment.parsed_options
-
-
-def config_of(environment: Environment) -> ScenarioConfig:
-    """The scenario config with overrides, built on first use (workers get options at spawn)."""
-    config = getattr(environment, "kvops_config", None)
-    if config is None:
-        opts = _options(environment)
-        config = load_config(
-            store_of(environment).scenario, Path(opts.kvops_config) if opts.kvops_config else None,
-            users=opts.kvops_users or None, rate=opts.kvops_rate or None,
-            duration_s=opts.kvops_duration or None)
-        environment.kvops_config = config  # type: ignore[attr-defined]
-    return config
-
-
-def model_of(environment: Environment) -> str:
-    model = getattr(environment, "kvops_model", None)
-    if model is None:
-        model = served_model(str(environment.host))
-        environment.kvops_model = model  # type: ignore[attr-defined]
-    return str(model)
-
-
-def dataset_of(environment: Environment) -> list[dict[str, Any]] | None:
-    opts = _options(environment)
-    if not opts.kvops_dataset:
-        return None
-    bodies = getattr(environment, "kvops_dataset", None)
-    if bodies is None:
-        bodies = load_dataset(Path(opts.kvops_dataset))
-        environment.kvops_dataset = bodies  # type: ignore[attr-defined]
-    return list(bodies)
-
-
-def schedule_of(environment: Environment) -> ArrivalSchedule:
-    """This process's share of the arrival process (rate / processes, its own seed)."""
-    schedule = getattr(environment, "kvops_schedule", None)
-    if schedule is None:
-        config = config_of(environment)
-        assert isinstance(config, TtftRegressionConfig)
-        runner = environment.runner
-        index = runner.worker_index if isinstance(runner, WorkerRunner) else 0
-        processes = max(1, int(_options(environment).kvops_processes))
-        schedule = ArrivalSchedule(config.rate_rps / processes, config.workload.seed * 1000 + index)
-        environment.kvops_schedule = schedule  # type: ignore[attr-defined]
-    return schedule
-
-
-def user_rng(environment: Environment) -> random.Random:
-    counter = getattr(environment, "kvops_users_started", 0) + 1
-    environment.kvops_users_started = counter  # type: ignore[attr-defined]
-    return random.Random(f"{store_of(environment).worker}-{counter}-{time.time()}")
+    """On the parser itself, not a group: Locust's web UI shows only the parser's own arguments."""
+    for flag, default, text in _OPTIONS:
+        parser.add_argument(flag, type=type(default), default=default, help=text,
+                            env_var=env_var(flag), include_in_web_ui=True)
+    parser.add_argument("--kvops-api-key", default="", env_var="KVOPS_API_KEY", is_secret=True,
+                        include_in_web_ui=True,
+                        help=f"the server's API key (default: ${API_KEY_ENV}, which keeps it out of "
+                             "the web UI's page; a value here is in the page, masked)")
+    parser.add_argument("--kvops-header", action="append", default=None, env_var="KVOPS_HEADERS",
+                        include_in_web_ui=True,
+                        help="'Name: value' sent with every request; repeat it, or one per line")
 
 
 def wire(scenario: str) -> None:
@@ -104,19 +69,65 @@ def wire(scenario: str) -> None:
 
     @events.test_start.add_listener  # type: ignore[untyped-decorator]
     def _start(environment: Environment, **_: Any) -> None:
-        if isinstance(environment.runner, WorkerRunner) or hasattr(environment, "kvops_scraper"):
+        # every run starts fresh, also the second one started from the web UI
+        runner, opts = environment.runner, _opts(environment)
+        if isinstance(runner, MasterRunner):
+            # sent to the workers with this run's spawn messages (locust/runners.py MasterRunner
+            # .start: "parsed_options"), so each takes its share of the arrival rate
+            opts.kvops_processes = max(1, runner.worker_count)
+        if not isinstance(runner, WorkerRunner) and hasattr(environment, "kvops_scraper"):
+            _finish_once(environment)  # a web-UI run restarted before its delayed finish
+        context.reset(environment)
+        if isinstance(runner, WorkerRunner):
             return
-        interval = float(getattr(config_of(environment), "scrape_interval_s", 1.0))
-        scraper = MetricsScraper(str(environment.host), interval_s=interval)
+        interval = float(getattr(context.config_of(environment), "scrape_interval_s", 1.0))
+        scraper = _sampler(environment, interval)
         scraper.sample_now()
         environment.kvops_started_at = time.time()  # type: ignore[attr-defined]
         scraper.start()
         environment.kvops_scraper = scraper  # type: ignore[attr-defined]
+        progress = ProgressPrinter(store_of(environment).records, scraper.samples,
+                                   lambda: runner.user_count if runner else 0,
+                                   float(opts.kvops_progress))
+        progress.start()
+        environment.kvops_progress = progress  # type: ignore[attr-defined]
+
+    @events.test_stop.add_listener  # type: ignore[untyped-decorator]
+    def _stop(environment: Environment, **_: Any) -> None:
+        # headless runs finish on quitting; a web-UI run stops without quitting, so it finishes
+        # here. Either way a master has its workers' last records by now: it drained them in
+        # test_stopping, before Locust stopped them (hooks/store.py drain)
+        if isinstance(environment.runner, WorkerRunner) or _opts(environment).headless:
+            return
+        gevent.spawn_later(0.0, _finish_once, environment, getattr(environment, "kvops_scraper", None))
 
     @events.quitting.add_listener  # type: ignore[untyped-decorator]
     def _quit(environment: Environment, **_: Any) -> None:
-        if isinstance(environment.runner, WorkerRunner) or not hasattr(environment, "kvops_scraper"):
-            return
-        from kvops.loadtest.scenarios.finish import finish
+        if not isinstance(environment.runner, WorkerRunner):
+            _finish_once(environment)
 
+
+def _opts(environment: Environment) -> Any:
+    return environment.parsed_options
+
+
+def _sampler(environment: Environment, interval_s: float) -> MetricsScraper:
+    """The host's own /metrics, or every replica's series from --kvops-prometheus."""
+    opts = _opts(environment)
+    prometheus = getattr(opts, "kvops_prometheus", "")
+    if prometheus:
+        return PrometheusSampler(prometheus, getattr(opts, "kvops_selector", DEFAULT_SELECTOR), interval_s)
+    return MetricsScraper(str(environment.host), interval_s=interval_s,
+                          headers=context.endpoint_of(environment).header_dict())
+
+
+def _finish_once(environment: Environment, run: MetricsScraper | None = None) -> None:
+    """Finish the current run once; ``run`` (its scraper) keeps a late call off the next run."""
+    current = getattr(environment, "kvops_scraper", None)
+    if current is None or (run is not None and run is not current):
+        return
+    environment.kvops_progress.stop()  # type: ignore[attr-defined]
+    try:
         finish(environment)
+    finally:
+        del environment.kvops_scraper  # type: ignore[attr-defined]

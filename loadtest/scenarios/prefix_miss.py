@@ -8,21 +8,27 @@ import itertools
 from gevent.event import Event
 from locust import constant, task
 
-from kvops.loadtest.scenarios import glue
-from kvops.loadtest.scenarios.config import PrefixMissConfig
+from kvops.loadtest.config import PrefixMissConfig
+from kvops.loadtest.scenarios import context, glue
 from kvops.loadtest.scenarios.workloads import dataset_body, prefix_request
-from kvops.loadtest.shapes.stepped import PoolShape
+from kvops.loadtest.shapes import stepped
 from kvops.loadtest.users.openai import OpenAIStreamUser
 
 glue.wire("prefix-miss")
-__all__ = ["PoolShape", "PrefixMissUser"]
+__all__ = ["PrefixMissShape", "PrefixMissUser"]
+
+
+class PrefixMissShape(stepped.PoolShape):
+    def pool(self) -> tuple[int, float]:
+        assert self.runner is not None
+        return context.pool_of(self.runner.environment)
 
 
 class PrefixMissUser(OpenAIStreamUser):
     wait_time = constant(0)
 
     def on_start(self) -> None:
-        self.rng = glue.user_rng(self.environment)
+        self.rng = context.user_rng(self.environment)
         env = self.environment
         if not hasattr(env, "kvops_primed"):
             env.kvops_primed = Event()
@@ -32,24 +38,24 @@ class PrefixMissUser(OpenAIStreamUser):
         env.kvops_primed.wait()
 
     def _prime(self) -> None:
-        if glue.dataset_of(self.environment):
+        if context.dataset_of(self.environment):
             return
         config = self._config()
-        model = glue.model_of(self.environment)
+        model = context.model_of(self.environment)
         for group in range(config.groups):
             req = prefix_request(config, model, group, self.rng, -1)
             self.stream(req.body, phase="prime", group=req.group, shared_text=req.shared_text)
 
     def _config(self) -> PrefixMissConfig:
-        config = glue.config_of(self.environment)
+        config = context.config_of(self.environment)
         assert isinstance(config, PrefixMissConfig)
         return config
 
     @task
     def request(self) -> None:
-        model = glue.model_of(self.environment)
+        model = context.model_of(self.environment)
         number = next(self.environment.kvops_counter)
-        bodies = glue.dataset_of(self.environment)
+        bodies = context.dataset_of(self.environment)
         if bodies:
             self.stream(dataset_body(bodies[number % len(bodies)], model))
             return

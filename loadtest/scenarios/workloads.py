@@ -13,9 +13,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvops.core.errors import BadInputError
+from kvops.loadtest.config import PrefixMissConfig, Workload
 from kvops.loadtest.records import read_jsonl
-from kvops.loadtest.scenarios.config import PrefixMissConfig, Workload
-from kvops.ops.errors import BadInputError
 
 WORDS = (
     "the cache holds keys and values for every token of every request so that decoding reads "

@@ -1,15 +1,15 @@
 """Stepped closed-loop load (kv-exhaustion) and a constant pool (prefix-miss, ttft-regression).
 
-The shapes read the scenario config from the environment, so ``locust -f`` and ``kvops
+The shapes are abstract: a scenario's locustfile subclasses them and says where the steps or
+the pool come from (its config, read from the environment), so ``locust -f`` and ``kvops
 loadtest`` run the same steps; a shape ends the run, so no ``-t`` is needed.
 """
 
 from __future__ import annotations
 
-from locust import LoadTestShape
+from collections.abc import Sequence
 
-from kvops.loadtest.scenarios.config import KvExhaustionConfig
-from kvops.loadtest.scenarios.glue import config_of
+from locust import LoadTestShape
 
 SPAWN_RATE = 100.0
 
@@ -17,24 +17,32 @@ SPAWN_RATE = 100.0
 class SteppedShape(LoadTestShape):
     """users = steps[i] during [i·step_s, (i+1)·step_s)."""
 
+    abstract = True
+
+    def steps(self) -> tuple[Sequence[int], float]:
+        """The user counts of the steps, and each step's length in seconds."""
+        raise NotImplementedError
+
     def tick(self) -> tuple[int, float] | None:
-        assert self.runner is not None
-        config = config_of(self.runner.environment)
-        assert isinstance(config, KvExhaustionConfig)
+        steps, step_s = self.steps()
         elapsed: float = self.get_run_time()  # type: ignore[no-untyped-call]
-        index = int(elapsed // config.step_s)
-        if index >= len(config.steps):
+        index = int(elapsed // step_s)
+        if index >= len(steps):
             return None
-        return config.steps[index], SPAWN_RATE
+        return steps[index], SPAWN_RATE
 
 
 class PoolShape(LoadTestShape):
     """A constant pool of ``users`` for ``duration_s``."""
 
+    abstract = True
+
+    def pool(self) -> tuple[int, float]:
+        """The number of users and the run's length in seconds."""
+        raise NotImplementedError
+
     def tick(self) -> tuple[int, float] | None:
-        assert self.runner is not None
-        config = config_of(self.runner.environment)
-        users, duration = getattr(config, "users"), getattr(config, "duration_s")  # noqa: B009
+        users, duration = self.pool()
         elapsed: float = self.get_run_time()  # type: ignore[no-untyped-call]
         if elapsed >= duration:
             return None

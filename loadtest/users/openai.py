@@ -22,6 +22,7 @@ from typing import Any
 from gevent import GreenletExit
 from locust import FastHttpUser
 
+from kvops.loadtest.hooks.endpoint import endpoint_of
 from kvops.loadtest.hooks.store import store_of
 from kvops.loadtest.records import RequestRecord
 from kvops.loadtest.sse import parse_line, usage_counts
@@ -73,7 +74,7 @@ class OpenAIStreamUser(FastHttpUser):
     def _send(self, payload: dict[str, Any], kind: str, record: RequestRecord, start: float) -> None:
         with self.client.post(f"/v1/{'chat/completions' if kind == 'chat' else 'completions'}",
                               json=payload, stream=True, catch_response=True,
-                              headers=STREAM_HEADERS, name=kind) as resp:
+                              headers=self._headers(), name=kind) as resp:
             record.headers_s = time.perf_counter() - start
             record.status = resp.status_code or 0
             if record.status == 200:
@@ -92,6 +93,10 @@ class OpenAIStreamUser(FastHttpUser):
                 resp.success()
             else:
                 resp.failure(record.error or "no token in the stream")
+
+    def _headers(self) -> dict[str, str]:
+        """The stream's own headers after the server's (API key, proxy): ours must win."""
+        return {**endpoint_of(self.environment).header_dict(), **STREAM_HEADERS}
 
     @staticmethod
     def _read_events(resp: Any, record: RequestRecord, start: float) -> None:

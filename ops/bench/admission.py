@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvops.ops.bench import admission_normal
+from kvops.ops.bench.admission_cost import front_door_scaling
 from kvops.ops.bench.admission_load import Outcome, open_loop, scrape_counter
 from kvops.ops.launch import ManagedServer, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
@@ -186,6 +187,7 @@ def run() -> dict[str, Any]:
                 server.stop()
         # After the servers stopped: the in-process measurement needs the cores to itself.
         cost = admission_normal.gate_cost(model, result["normal"]["engine"]["kvops"]["step_s"])
+        scaling = front_door_scaling()
     stock_goodput = result["stock"]["goodput_rps"]
     return {
         "stock": result["stock"],
@@ -193,6 +195,7 @@ def run() -> dict[str, Any]:
         "goodput_ratio": result["kvops"]["goodput_rps"] / stock_goodput if stock_goodput else None,
         **admission_normal.normal_load_result(result["normal"], cost),
         "policy_cost_us_per_step_256_running": cost["scheduler_256_running"]["added_us_per_step"],
+        **scaling,
         "setup": {
             "kv_blocks": KV_BLOCKS, "block_tokens": BLOCK_TOKENS, "max_model_len": MAX_MODEL_LEN,
             "ttft_slo_s": TTFT_SLO_S, "overload": result["overload"],

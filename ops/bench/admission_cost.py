@@ -122,7 +122,7 @@ def scheduler_step_cost(model: Path, shape: StepShape, repeats: int = 3) -> dict
     """CPU microseconds per step of vLLM's Scheduler and of KVBudgetScheduler on the same
     request stream, stepped in lockstep (the order alternating every step), so that each
     step's pair ran moments apart on the same state."""
-    from kvops.plugin.admission_settings import SCHEDULER_CLASSES
+    from kvops.core.admission.settings import SCHEDULER_CLASSES
 
     start = _driver(shape)
     spent = {"stock": 0.0, "kvops": 0.0}
@@ -159,9 +159,9 @@ def front_door_cost(running: int, repeats: int = 2000) -> dict[str, float]:
     """Microseconds of the API server's admission work with ``running`` requests known to the
     front end: ``on_step`` (every engine step) and the queue walk (every refresh interval, and
     once per arriving request)."""
-    from kvops.plugin.admission_http import FrontDoor
-    from kvops.plugin.admission_policy import RequestShape
-    from kvops.plugin.admission_settings import AdmissionSettings
+    from kvops.core.admission.policy import RequestShape
+    from kvops.core.admission.settings import AdmissionSettings
+    from kvops.plugin.admission.http import FrontDoor
 
     door = FrontDoor(AdmissionSettings.model_validate({}), clock=lambda: 0.0)  # a frozen clock: no refresh
     config = SimpleNamespace(
@@ -186,3 +186,75 @@ def front_door_cost(running: int, repeats: int = 2000) -> dict[str, float]:
         door.queue_state(policy, states.values())
     walk_us = (time.perf_counter() - start) / (repeats // 10) * 1e6
     return {"running": running, "on_step_us": on_step_us, "queue_walk_us": walk_us}
+
+
+class _State:
+    """The attributes of vLLM's RequestState the front door reads (prompt_len,
+    max_tokens_param, is_prefilling), with the same is_prefilling hook the plugin installs."""
+
+    def __init__(self, prompt_len: int, max_tokens: int) -> None:
+        self.prompt_len = prompt_len
+        self.max_tokens_param = max_tokens
+        self.is_prefilling = True
+
+
+def front_door_request_cost(in_flight: int, requests: int = 3000, tracked: bool = True,
+                            max_running: int = 256) -> dict[str, Any]:
+    """Thread-CPU microseconds per arriving request of the real front door (FrontDoor.check on
+    the states vLLM keeps, TrackedStates as the plugin installs them) with ``in_flight``
+    unfinished requests, at most ``max_running`` of them started: each arrival is added, decided,
+    and one started request finishes while the oldest pending one starts, so the count stays.
+    ``tracked=False`` measures the walk the ledger replaced (a plain dict)."""
+    from collections import deque
+
+    from kvops.core.admission.policy import RequestShape
+    from kvops.core.admission.settings import AdmissionSettings
+    from kvops.plugin.admission.http import FrontDoor
+    from kvops.plugin.admission.ledger import QueueLedger, TrackedStates, track_prefill_flips
+
+    track_prefill_flips(_State)
+    door = FrontDoor(AdmissionSettings.model_validate({"max_queued_kv_fraction": None}),
+                     clock=lambda: 0.0)
+    config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=65537, block_size=16),
+                             model_config=SimpleNamespace(max_model_len=8192))
+    policy = door.policy_for(config)
+    states: dict[str, Any] = TrackedStates(QueueLedger(policy), {}) if tracked else {}
+    started: deque[str] = deque()
+    pending: deque[str] = deque()
+    for i in range(in_flight):
+        states[f"r{i}"] = _State(500, 300)
+        if len(started) < min(max_running, in_flight):
+            states[f"r{i}"].is_prefilling = False
+            started.append(f"r{i}")
+        else:
+            pending.append(f"r{i}")
+    shape = [RequestShape(500, 300)]
+    begin = time.thread_time()
+    for k in range(requests):
+        rid = f"n{k}"
+        states[rid] = _State(500, 300)
+        door.check(config, shape, 1, states)
+        pending.append(rid)
+        states.pop(started.popleft())
+        nxt = pending.popleft()
+        states[nxt].is_prefilling = False
+        started.append(nxt)
+    spent = time.thread_time() - begin
+    return {"in_flight": in_flight, "us_per_request": spent / requests * 1e6,
+            "tracked": tracked, "clock": "thread CPU time"}
+
+
+def front_door_scaling(low: int = 10, high: int = 10_000) -> dict[str, Any]:
+    """Per-request front-door CPU at ``high`` vs ``low`` in flight (goal: ratio <= 1.5), and
+    what the walk it replaced costs at ``high``."""
+    runs: dict[int, list[float]] = {low: [], high: []}
+    for _ in range(3):  # alternated, medians: drift on a shared machine hits both alike
+        for size in (low, high):
+            runs[size].append(front_door_request_cost(size)["us_per_request"])
+    small, large = statistics.median(runs[low]), statistics.median(runs[high])
+    walk = front_door_request_cost(high, requests=30, tracked=False)
+    return {
+        "front_door_us_per_request_10k_vs_10": large / small,
+        "front_door_us_per_request": {str(low): small, str(high): large,
+                                      f"{high}_walk_before": walk["us_per_request"]},
+    }

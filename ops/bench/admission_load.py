@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvops.core.prom import samples_by_name, selector_sum
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -117,7 +119,8 @@ def scrape_counter(url: str, name: str) -> float:
 
 
 def scrape_sums(url: str, names: Sequence[str]) -> dict[str, float]:
-    """``scrape_counter`` for several names from one read of /metrics."""
+    """``scrape_counter`` for several names (or ``name{label="value"}`` selectors) from one read
+    of /metrics."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=30)
     try:
@@ -125,12 +128,8 @@ def scrape_sums(url: str, names: Sequence[str]) -> dict[str, float]:
         text = conn.getresponse().read().decode()
     finally:
         conn.close()
-    totals = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        for name in names:
-            if line.startswith(name) and (line[len(name)] in " {"):
-                totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals
+    by_name = samples_by_name(text)
+    return {name: selector_sum(by_name, name) for name in names}
 
 
 def closed_loop(

@@ -79,7 +79,7 @@ def gate_cost(model: Path, kvops_step_s: float | None) -> dict[str, Any]:
     """The direct measure: microseconds added per step, at this bench's shape and at 256
     running, and their fraction of the kvops server's step time at normal load."""
     from kvops.ops.bench.admission_cost import StepShape, front_door_cost, scheduler_step_cost
-    from kvops.plugin.admission_http import GAUGE_REFRESH_S
+    from kvops.plugin.admission.http import GAUGE_REFRESH_S
 
     normal = scheduler_step_cost(model, StepShape(CONCURRENCY, 241, MAX_TOKENS, 17, 128, 1024, 300))
     large = scheduler_step_cost(model, StepShape(256, 500, 300, 65537, 16, 8192, 300))

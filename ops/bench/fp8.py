@@ -4,7 +4,7 @@ bf16 KV, side by side on the same tiny models in one run.
 Per model three real servers run one after another: bf16 KV with the plugin recording (it
 calibrates and is the accuracy reference), fp8 at scale 1.0, fp8 with the calibrated scales.
 Models: the ordinary tiny Llama, and the same function with K/V ×1000 (saturates e4m3 at
-scale 1.0) and ×0.001 (rounds into e4m3's subnormals) — see kvops.ops.models.kv_scaled.
+scale 1.0) and ×0.001 (rounds into e4m3's subnormals) — see kvops.ops.fp8.kv_scaled_model.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvops.ops.calibrate import (
+from kvops.core.errors import KvopsError
+from kvops.ops.fp8.accuracy import Drift, drift, score
+from kvops.ops.fp8.calibrate import (
     CalibrationRequest,
     collect_scales,
     recording_server,
     synthetic_prompts,
 )
-from kvops.ops.errors import KvopsError
-from kvops.ops.kv_accuracy import Drift, drift, score
 from kvops.ops.launch import ManagedServer, vllm_server
 
 BENCH_MODELS: tuple[tuple[str, float], ...] = (
@@ -115,7 +115,7 @@ def _fp8_server(model_dir: Path, log: Path, scales: Path | None) -> ManagedServe
 
 
 def run(models: Sequence[tuple[str, float]] = BENCH_MODELS) -> dict[str, Any]:
-    from kvops.ops.models.kv_scaled import build_kv_scaled_model
+    from kvops.ops.fp8.kv_scaled_model import build_kv_scaled_model
 
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvops-bench-fp8-") as tmp:

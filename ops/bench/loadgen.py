@@ -34,11 +34,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvops.loadtest.metrics import MetricsSample, bucket_quantile, hist_mean, scrape
+from kvops.core.proc import free_port, log_tail
+from kvops.core.prom import MetricsSample, bucket_quantile, hist_mean, scrape
 from kvops.loadtest.records import read_jsonl
 from kvops.loadtest.runner import LoadtestRequest
 from kvops.loadtest.runner import run as run_loadtest
-from kvops.ops.launch import ManagedServer, free_port, log_tail, vllm_executable, vllm_server
+from kvops.ops.launch import ManagedServer, vllm_executable, vllm_server
 
 RATES_RPS = tuple(2.0 * 2**i for i in range(9))  # 2 … 512: the ramp stops when both tools fail
 STEP_S = 12.0

@@ -10,8 +10,12 @@ miss is measured apart, in interleaved ABBA blocks of fresh prompts (no connecto
 offload, no connector): a slow stretch of the shared machine hits both sides of a block alike.
 ``miss_overhead_ratio`` is the median of the blocks' ratios, reported with their spread.
 
-The transfer mode is the product default (engine_driven); KVOPS_BENCH_OFFLOAD_TRANSFER_MODE=
-lmcache_driven measures the zero-copy /dev/shm path instead (research/offload_bench.md §4).
+Variants, one offload server after another beside the one no-connector server (the same
+model, prompts and baseline, so their ratios compare): the product default (transfer_mode auto,
+or KVOPS_BENCH_OFFLOAD_TRANSFER_MODE) gives the top-level keys and names the mode auto chose;
+the other transfer mode fills ``modes``; then one variant per tuning knob (KNOBS) on the default's
+mode fills ``tuning`` (KVOPS_BENCH_OFFLOAD_TUNING=0 leaves the knobs out). Each variant has its
+own LMCache server and disk tier and its own fresh miss prompts.
 """
 
 from __future__ import annotations
@@ -19,22 +23,25 @@ from __future__ import annotations
 import json
 import os
 import random
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast, get_args
 
 import requests
 
-from kvops.ops.bench.paired import block_ratios
-from kvops.ops.errors import BadInputError, KvopsError
-from kvops.ops.launch import ManagedServer, free_port, lmcache_server, vllm_server
+from kvops.core.errors import BadInputError, KvopsError
+from kvops.core.offload.settings import OffloadSettings, TransferModeSetting
+from kvops.core.proc import free_port
+from kvops.core.prom import Samples, info_labels, samples_by_name, selector_sum
+from kvops.core.units import GIB
+from kvops.ops.bench.offload_report import Knob, Measured, assemble, variant_result
+from kvops.ops.launch import ManagedServer, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
+from kvops.ops.offload.server import lmcache_server
 from kvops.ops.offload.shm import remove_stale_segments
 from kvops.ops.offload.status import counter_values
-from kvops.plugin.offload.settings import OffloadSettings, TransferMode
 
 REFERENCE_SHAPE = TinyModelSpec(
     layers=8, hidden=1024, heads=8, kv_heads=8, head_dim=128, intermediate=2816,
@@ -47,23 +54,75 @@ IDLE_GAP_S = 1.5
 (vllm/distributed/device_communicators/shm_broadcast.py busy_loop_s), so the server that just
 answered is idle again when the other one is measured."""
 OUTPUT_TOKENS = 8
-KV_CACHE_BYTES = 1 << 30
+KV_CACHE_BYTES = GIB
+KV_BYTES_PER_TOKEN = 2 * REFERENCE_SHAPE.layers * REFERENCE_SHAPE.kv_heads * REFERENCE_SHAPE.head_dim * 2
 SERVER_ARGS = ("--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--max-num-seqs", "4")
 
 
+KNOBS = (
+    Knob("verify_kv", False, True,
+         "bench only: the product keeps the block checksums (a corrupt cache file must be a miss, "
+         "never wrong KV); measures what CRC32 of every stored and loaded block costs"),
+    Knob("chunk_size", 512, 256,
+         "tokens per LMCache chunk: half as many chunks, RPC entries and keys per prompt"),
+)
+
+
 def run() -> dict[str, Any]:
+    started = time.monotonic()
+    wanted, knobs_wanted = _transfer_mode(), KNOBS if _tuning() else ()
     with tempfile.TemporaryDirectory(prefix="kvops-bench-offload-") as tmp:
         root = Path(tmp)
         model = build_tiny_model(root / "model", REFERENCE_SHAPE)
         prompts = [_prompt(seed) for seed in range(REPEATS + 1)]  # [0] warms up
+        baseline = vllm_server(model, SERVER_ARGS, log_path=root / "vllm-baseline.log",
+                               kv_cache_bytes=KV_CACHE_BYTES, name="vllm-baseline")
+        try:
+            baseline.start()
+            bench = _Bench(model, prompts, root, baseline)
+            default, reason = bench.measure("default", {"transfer_mode": wanted})
+            other = "engine_driven" if default.transfer_mode == "lmcache_driven" else "lmcache_driven"
+            other_mode, _ = bench.measure(other, {"transfer_mode": other})
+            knobs = [(knob, bench.measure(f"{knob.name}={knob.value}", {
+                "transfer_mode": default.transfer_mode, knob.name: knob.value})[0])
+                for knob in knobs_wanted]
+        finally:
+            baseline.stop()
+        memcpy = memcpy_gb_per_s()
+    results = {m.transfer_mode: variant_result(m, memcpy) for m in (default, other_mode)}
+    context = {
+        "prompt_tokens": PROMPT_TOKENS,
+        "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
+        "hidden_size": REFERENCE_SHAPE.hidden,
+        "layers": REFERENCE_SHAPE.layers,
+        "transfer_mode_setting": wanted,
+        "transfer_mode_reason": reason,
+        "memcpy_gb_per_s": memcpy,
+    }
+    report = assemble(results[default.transfer_mode], results,
+                      [(knob, variant_result(m, memcpy)) for knob, m in knobs], context)
+    report["bench_seconds"] = time.monotonic() - started
+    return report
+
+
+class _Bench:
+    """Starts one offload variant at a time against the shared no-connector server."""
+
+    def __init__(self, model: Path, prompts: list[list[int]], root: Path,
+                 baseline: ManagedServer) -> None:
+        self.model, self.prompts, self.root, self.baseline = model, prompts, root, baseline
+        self.baseline_runs: list[tuple[float, str]] = []
+        self.variants = 0
+
+    def measure(self, name: str, overrides: dict[str, Any]) -> tuple[Measured, str]:
+        """(measurements, the vLLM log's line on the transfer mode it runs)."""
+        directory = self.root / name.replace("=", "-")
         settings = OffloadSettings(
             port=free_port(), http_port=free_port(), l1_gib=1.0,
-            disk_path=str(root / "l2"), disk_gib=2.0,
-            transfer_mode=_transfer_mode(),
+            disk_path=str(directory / "l2"), disk_gib=2.0, **overrides,
         )
-        offload = _measure(model, prompts, settings, root)
-        memcpy = memcpy_gb_per_s()
-    return _result(offload, memcpy, settings)
+        self.variants += 1
+        return _measure(self, settings, directory, miss_seed=100 + 20 * self.variants)
 
 
 def _prompt(seed: int) -> list[int]:
@@ -71,36 +130,60 @@ def _prompt(seed: int) -> list[int]:
     return [rng.randrange(5, REFERENCE_SHAPE.vocab - 1) for _ in range(PROMPT_TOKENS)]
 
 
-def _measure(model: Path, prompts: list[list[int]], settings: OffloadSettings,
-             root: Path) -> dict[str, Any]:
+def _measure(bench: _Bench, settings: OffloadSettings, root: Path,
+             miss_seed: int) -> tuple[Measured, str]:
+    model = bench.model
     lmcache = lmcache_server(settings, log_path=root / "lmcache.log")
     lmcache.start(health_path="/healthcheck")
     cfg = json.dumps({"kvops": {"offload": settings.model_dump()}})
-    server = vllm_server(model, (*SERVER_ARGS, "--additional-config", cfg),
-                         log_path=root / "vllm-offload.log", kv_cache_bytes=KV_CACHE_BYTES,
-                         env={"VLLM_SERVER_DEV_MODE": "1"}, name="vllm-offload")
-    baseline = vllm_server(model, SERVER_ARGS, log_path=root / "vllm-baseline.log",
-                           kv_cache_bytes=KV_CACHE_BYTES, name="vllm-baseline")
+    log = root / "vllm-offload.log"
+    server = vllm_server(model, (*SERVER_ARGS, "--additional-config", cfg), log_path=log,
+                         kv_cache_bytes=KV_CACHE_BYTES, env={"VLLM_SERVER_DEV_MODE": "1"},
+                         name="vllm-offload")
     try:
         server.start()
-        baseline.start()
-        tiers = _measure_tiers(server, lmcache, model, prompts)
-        tiers["baseline"] = [ttft(baseline.url, model, prompt) for prompt in prompts][1:]
-        tiers["misses"] = _measure_misses(server, lmcache, baseline, model)
-        tiers["vllm_metrics"] = requests.get(server.url + "/metrics", timeout=10).text
-        return tiers
+        mode = _transfer_mode_of(samples_by_name(requests.get(server.url + "/metrics", timeout=10).text))
+        tiers = _measure_tiers(server, lmcache, model, bench.prompts, settings.chunk_size)
+        if not bench.baseline_runs:
+            bench.baseline_runs = [ttft(bench.baseline.url, model, p) for p in bench.prompts][1:]
+        misses = _measure_misses(server, lmcache, bench.baseline, model, settings.chunk_size,
+                                 miss_seed)
+        metrics = samples_by_name(requests.get(server.url + "/metrics", timeout=10).text)
     finally:
-        baseline.stop()
         server.stop()
         remove_stale_segments()  # lmcache_driven leaves vLLM's KV segment in /dev/shm
         lmcache.stop()
+    measured = Measured(
+        transfer_mode=mode, runs=tiers["runs"], baseline=bench.baseline_runs, misses=misses,
+        hits=tiers["hits"],
+        load_gb_per_s=_rate(metrics, "kvops_offload_loaded_bytes_total",
+                            "kvops_offload_load_seconds_sum"),
+        store_gb_per_s=_rate(metrics, "kvops_offload_stored_bytes_total",
+                             "kvops_offload_store_seconds_sum"),
+        settings=settings.model_dump(),
+    )
+    return measured, _mode_line(log)
+
+
+def _transfer_mode_of(metrics: Samples) -> str:
+    mode = (info_labels(metrics, "kvops_info") or {}).get("offload_transfer_mode")
+    if not mode:
+        raise KvopsError("the offload server's /metrics has no kvops_info offload_transfer_mode label")
+    return mode
+
+
+def _mode_line(log: Path) -> str:
+    """The preflight's line on the mode it chose and why (kvops.plugin.offload.wiring)."""
+    marker = "kvops offload: transfer mode "
+    lines = [line for line in log.read_text(errors="replace").splitlines() if marker in line]
+    return lines[0].split(marker, 1)[1].strip() if lines else ""
 
 
 def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
-                   prompts: list[list[int]]) -> dict[str, Any]:
+                   prompts: list[list[int]], chunk_size: int) -> dict[str, Any]:
     runs: dict[str, list[tuple[float, str]]] = {"cold": [], "l1": [], "disk": []}
     hits = {"l1": 0.0, "disk": 0.0}
-    chunks = PROMPT_TOKENS // 256
+    chunks = PROMPT_TOKENS // chunk_size
     for index, prompt in enumerate(prompts):
         cold = ttft(server.url, model, prompt)
         stored_chunks = (index + 1) * chunks
@@ -129,34 +212,22 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
 
 
 def _measure_misses(server: ManagedServer, lmcache: ManagedServer, baseline: ManagedServer,
-                    model: Path) -> dict[str, list[float]]:
+                    model: Path, chunk_size: int, seed: int) -> dict[str, list[float]]:
     """Cold TTFTs of fresh prompts, ABBA per block: (no connector, offload) on one prompt, then
     (offload, no connector) on the next. Each offload round waits for LMCache's stores to end,
     so its disk writes do not land in the next round."""
     ttfts: dict[str, list[float]] = {"baseline": [], "offload": []}
     for block in range(MISS_BLOCKS):
-        first, second = (_prompt(100 + 2 * block + i) for i in range(2))
+        first, second = (_prompt(seed + 2 * block + i) for i in range(2))
         for side, prompt in (("baseline", first), ("offload", first),
                              ("offload", second), ("baseline", second)):
             target = server if side == "offload" else baseline
             stored = _lmcache(lmcache)["l2_stored_chunks"]
             ttfts[side].append(ttft(target.url, model, prompt)[0])
             if side == "offload":
-                _wait_stored(lmcache, stored + PROMPT_TOKENS // 256)
+                _wait_stored(lmcache, stored + PROMPT_TOKENS // chunk_size)
             time.sleep(IDLE_GAP_S)
     return ttfts
-
-
-def miss_block_ratios(ttfts: dict[str, list[float]]) -> list[float]:
-    """Per ABBA block: offload / no-connector cold TTFT - 1 (two rounds per side per block)."""
-    return [ratio - 1 for ratio in block_ratios(ttfts["baseline"], ttfts["offload"])]
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    """Min, quartiles and max (the quartiles interpolate; with 4 blocks they are ~ the 2nd and
-    3rd smallest)."""
-    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
-    return {"min": min(values), "q1": low, "q3": high, "max": max(values)}
 
 
 def ttft(url: str, model: Path, prompt: list[int]) -> tuple[float, str]:
@@ -214,63 +285,25 @@ def memcpy_gb_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def _vllm_sum(metrics: str, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(sample.value for family in text_string_to_metric_families(metrics)
-               for sample in family.samples if sample.name == name)
+def _rate(metrics: Samples, bytes_name: str, seconds_name: str) -> float:
+    seconds = selector_sum(metrics, seconds_name)
+    return selector_sum(metrics, bytes_name) / seconds / 1e9 if seconds else 0.0
 
 
-def _result(offload: dict[str, Any], memcpy: float, settings: OffloadSettings) -> dict[str, Any]:
-    runs, baseline = offload["runs"], offload["baseline"]
-    median = {tier: statistics.median(t for t, _ in runs[tier]) for tier in runs}
-    misses = offload["misses"]
-    baseline_s = statistics.median(misses["baseline"])
-    blocks = miss_block_ratios(misses)
-    texts = [text for tier in runs for _, text in runs[tier]]
-    identical = all(text == baseline[i % len(baseline)][1] for i, text in enumerate(texts))
-    metrics = offload["vllm_metrics"]
-    load_gb_s = _rate(metrics, "kvops_offload_loaded_bytes_total", "kvops_offload_load_seconds_sum")
-    store_gb_s = _rate(metrics, "kvops_offload_stored_bytes_total", "kvops_offload_store_seconds_sum")
-    kv_bytes_per_token = 2 * REFERENCE_SHAPE.layers * REFERENCE_SHAPE.kv_heads * REFERENCE_SHAPE.head_dim * 2
-    return {
-        "prompt_tokens": PROMPT_TOKENS,
-        "l1_ttft_ratio": median["l1"] / median["cold"],
-        "disk_ttft_ratio": median["disk"] / median["cold"],
-        "miss_overhead_ratio": statistics.median(blocks),
-        "miss_overhead_spread": spread(blocks),
-        "miss_overhead_blocks": blocks,
-        "miss_ttft_s": {"no_connector": baseline_s, "offload": statistics.median(misses["offload"])},
-        "copy_fraction_of_memcpy": load_gb_s / memcpy,
-        # lmcache_driven stores are submitted in the step and copied later by the server, so the
-        # step time says nothing about copy speed there.
-        "store_fraction_of_memcpy": (store_gb_s / memcpy
-                                     if settings.transfer_mode == "engine_driven" else None),
-        "outputs_identical": identical,
-        "kv_bytes_per_token": kv_bytes_per_token,
-        "hidden_size": REFERENCE_SHAPE.hidden,
-        "layers": REFERENCE_SHAPE.layers,
-        "repeats": len(runs["cold"]),
-        "transfer_mode": settings.transfer_mode,
-        "ttft_s": {**median, "no_connector": baseline_s},
-        "hit_tokens_per_request": {tier: hits / len(runs["cold"]) for tier, hits in offload["hits"].items()},
-        "load_gb_per_s": load_gb_s,
-        "store_gb_per_s": store_gb_s,
-        "memcpy_gb_per_s": memcpy,
-    }
-
-
-def _rate(metrics: str, bytes_name: str, seconds_name: str) -> float:
-    seconds = _vllm_sum(metrics, seconds_name)
-    return _vllm_sum(metrics, bytes_name) / seconds / 1e9 if seconds else 0.0
-
-
-def _transfer_mode() -> TransferMode:
-    mode = os.environ.get("KVOPS_BENCH_OFFLOAD_TRANSFER_MODE", "engine_driven")
-    if mode == "lmcache_driven":
-        return "lmcache_driven"
-    if mode == "engine_driven":
-        return "engine_driven"
+def _transfer_mode() -> TransferModeSetting:
+    """The default variant's mode: the product default (auto) unless the variable names one."""
+    mode = os.environ.get("KVOPS_BENCH_OFFLOAD_TRANSFER_MODE", "auto")
+    for known in get_args(TransferModeSetting):
+        if mode == known:
+            return cast(TransferModeSetting, known)
     raise BadInputError(
-        f"KVOPS_BENCH_OFFLOAD_TRANSFER_MODE={mode!r}: use engine_driven or lmcache_driven"
+        f"KVOPS_BENCH_OFFLOAD_TRANSFER_MODE={mode!r}: use auto, engine_driven or lmcache_driven"
     )
+
+
+def _tuning() -> bool:
+    value = os.environ.get("KVOPS_BENCH_OFFLOAD_TUNING", "1")
+    if value not in ("0", "1"):
+        raise BadInputError(f"KVOPS_BENCH_OFFLOAD_TUNING={value!r}: use 1 (measure the tuning "
+                            "knobs, the default) or 0 (both modes only)")
+    return value == "1"

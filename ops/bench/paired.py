@@ -10,10 +10,10 @@ interval clears the threshold.
 
 from __future__ import annotations
 
-import random
-import statistics
 from collections.abc import Sequence
 from typing import Literal
+
+from kvops.core.stats import bootstrap_ci, row_median
 
 Side = Literal["a", "b"]
 Verdict = Literal["meets", "fails", "inconclusive"]
@@ -39,17 +39,8 @@ def block_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
 def median_ci(
     values: Sequence[float], confidence: float = 0.95, resamples: int = 4000, seed: int = 0
 ) -> tuple[float, float]:
-    """Percentile-bootstrap interval of the median."""
-    if not values:
-        raise ValueError("no values")
-    rng = random.Random(seed)
-    medians = sorted(
-        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
-    )
-    tail = (1.0 - confidence) / 2.0
-    low = medians[int(tail * (resamples - 1))]
-    high = medians[int((1.0 - tail) * (resamples - 1) + 0.5)]
-    return low, high
+    """Percentile-bootstrap interval of the median (``kvops.core.stats``)."""
+    return bootstrap_ci(values, row_median, confidence=confidence, resamples=resamples, seed=seed)
 
 
 def verdict_at_least(ci: tuple[float, float], threshold: float) -> Verdict:

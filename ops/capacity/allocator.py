@@ -12,7 +12,10 @@ the widest group; ``num_blocks = available // bytes_per_block``; a request at ma
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from kvops.core.errors import BadInputError
+from kvops.core.plan import Capacity, KvGroup
 from kvops.ops.capacity.constants import (
     CPU_MLA_BLOCK_SIZE,
     DEFAULT_BLOCK_SIZE,
@@ -23,7 +26,6 @@ from kvops.ops.capacity.constants import (
 )
 from kvops.ops.capacity.indexer import SPARSE_MLA_BLOCK_SIZE
 from kvops.ops.capacity.model import LayerKV, ModelKV
-from kvops.ops.errors import BadInputError
 
 
 def cdiv(a: int, b: int) -> int:
@@ -115,29 +117,24 @@ class KVCapacity:
     mamba_page_padded_bytes: int | None = None
     notes: tuple[str, ...] = field(default=())
 
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "num_blocks": self.num_blocks,
-            "block_size": self.block_size,
-            "bytes_per_block": self.bytes_per_block,
-            "kv_cache_size_tokens": self.kv_cache_size_tokens,
-            "max_concurrency": self.max_concurrency,
-            "max_model_len": self.max_model_len,
-            "available_kv_bytes": self.available_bytes,
-            "usable_blocks": self.num_blocks - 1,
-            "blocks_per_request": self.blocks_per_request,
-            "max_in_flight_tokens": self.max_in_flight_tokens,
-            "mamba_page_padded_bytes": self.mamba_page_padded_bytes,
-            "groups": [
-                {"kind": g.kind, "layers": list(g.layers), "slots": g.slots,
-                 "block_size": g.spec.block_size, "page_bytes": g.spec.page_bytes,
-                 "blocks_per_request": g.blocks_per_request}
-                for g in self.groups
-            ],
-            "notes": list(self.notes),
-            "log_line": (f"KV cache size: {self.kv_cache_size_tokens:,} tokens, Maximum concurrency "
-                         f"for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"),
-        }
+    def summary(self) -> Capacity:
+        """The typed result ``kvops kv-capacity --json`` prints and a plan carries."""
+        return Capacity(
+            num_blocks=self.num_blocks, block_size=self.block_size, bytes_per_block=self.bytes_per_block,
+            kv_cache_size_tokens=self.kv_cache_size_tokens, max_concurrency=self.max_concurrency,
+            max_model_len=self.max_model_len, available_kv_bytes=self.available_bytes,
+            usable_blocks=self.num_blocks - 1, blocks_per_request=self.blocks_per_request,
+            max_in_flight_tokens=self.max_in_flight_tokens, mamba_page_padded_bytes=self.mamba_page_padded_bytes,
+            groups=tuple(KvGroup(kind=g.kind, layers=g.layers, slots=g.slots, block_size=g.spec.block_size,
+                                 page_bytes=g.spec.page_bytes, blocks_per_request=g.blocks_per_request)
+                         for g in self.groups),
+            notes=self.notes,
+            log_line=(f"KV cache size: {self.kv_cache_size_tokens:,} tokens, Maximum concurrency "
+                      f"for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.summary().model_dump(mode="json")
 
 
 def resolve_block_size(model: ModelKV, flags: SizingFlags) -> tuple[int, int | None]:
@@ -149,8 +146,8 @@ def resolve_block_size(model: ModelKV, flags: SizingFlags) -> tuple[int, int | N
     elif flags.device == "cpu" and model.use_mla:
         bs = CPU_MLA_BLOCK_SIZE  # platforms/cpu.py forces 16 for the CPU MLA backend
     else:
-        bs = flags.block_size or DEFAULT_BLOCK_SIZE[flags.device]
-    if bs < 1:
+        bs = DEFAULT_BLOCK_SIZE[flags.device] if flags.block_size is None else flags.block_size
+    if bs < 1:  # vLLM's CacheConfig: block_size gt=0 (0 used to mean the default here)
         raise BadInputError(f"--block-size must be >= 1, got {bs}")
     mamba_pages = [layer.state_bytes for layer in model.layers if layer.kind == "mamba"]
     if not mamba_pages or not any(layer.kind != "mamba" for layer in model.layers):
@@ -232,6 +229,19 @@ def build_groups(model: ModelKV, specs: list[Spec], flags: SizingFlags) -> list[
             groups.append(Group(spec.kind, layers, group_size, spec, spec.blocks_per_request(flags),
                                 len(layers) * spec.page_bytes, (spec.page_bytes,) * len(layers)))
     return groups
+
+
+def check_context(model: ModelKV, max_model_len: int) -> None:
+    """vLLM refuses a max_model_len above the model's context (config/model.py
+    _get_and_verify_max_len) unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1; so do we."""
+    import os
+
+    limit = model.max_position_embeddings
+    if limit is None or max_model_len <= limit or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") == "1":
+        return
+    raise BadInputError(f"--max-model-len {max_model_len:,} is above the model's context of {limit:,} tokens "
+                        "(max_position_embeddings and RoPE scaling): vLLM refuses to start; lower it, or set "
+                        "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 as vLLM asks")
 
 
 def kv_capacity(model: ModelKV, available_bytes: int, flags: SizingFlags) -> KVCapacity:

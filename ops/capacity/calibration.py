@@ -12,16 +12,18 @@ precision; the file records it.
 
 from __future__ import annotations
 
-import json
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvops.core.errors import BadInputError
+from kvops.core.files import parse_json, read_text
+from kvops.core.plan import Expectation
 from kvops.ops.capacity.constants import GIB
-from kvops.ops.errors import BadInputError
 
 CALIBRATION_FORMAT: Final = "kvops-calibration/1"
 LOG_PRECISION_GIB = 0.005  # half of format_gib's 0.01 rounding
@@ -131,13 +133,15 @@ def calibration_from_log(text: str, source: str) -> Calibration:
 
 
 def calibration_from_metrics(
-    labels: dict[str, str], plan: dict[str, Any], version: str, model: str, source: str,
+    labels: dict[str, str], plan: Expectation | Mapping[str, Any], version: str, model: str, source: str,
 ) -> Calibration:
     """Non-KV memory from a live server's block count: ``ceil(total × util) − num_blocks ×
     bytes_per_block``, exact to half a block. The device total and bytes per block come from
-    the plan the server was started from (``kvops plan --json``); /metrics carries neither."""
-    capacity = plan.get("capacity")
-    if not isinstance(capacity, dict) or not isinstance(plan.get("gpu_total_gib"), int | float):
+    the plan the server was started from (``kvops plan --json``, read or as decoded JSON);
+    /metrics carries neither."""
+    doc = plan if isinstance(plan, Expectation) else Expectation.from_document(dict(plan))
+    total, block_bytes = doc.gpu_total_gib, doc.capacity.bytes_per_block
+    if not doc.is_plan or total is None:
         raise BadInputError("--calibration-out with --url needs --expect from `kvops plan --json` "
                             "(its device total and bytes per block)")
     if labels.get("kv_cache_memory_bytes") not in (None, "None", ""):
@@ -145,20 +149,21 @@ def calibration_from_metrics(
                             "start it with --gpu-memory-utilization instead to calibrate")
     try:
         util, blocks = float(labels["gpu_memory_utilization"]), int(labels["num_gpu_blocks"])
-        block_bytes, total = int(capacity["bytes_per_block"]), float(plan["gpu_total_gib"])
     except (KeyError, ValueError, TypeError) as exc:
         raise BadInputError(f"cannot calibrate from these metrics and this plan: missing {exc}") from None
+    if block_bytes is None:
+        raise BadInputError("cannot calibrate from these metrics and this plan: missing 'bytes_per_block'")
     requested = math.ceil(total * GIB * util)  # v1/worker/utils.py:724-726, cpu_worker.py:74
     available = blocks * block_bytes + block_bytes / 2  # floor(available / bytes_per_block) = blocks
     return Calibration.model_validate({
-        "vllm_version": version, "device": plan.get("device", "cuda"), "model": model,
-        "tensor_parallel_size": plan.get("tensor_parallel_size", 1),
-        "pipeline_parallel_size": plan.get("pipeline_parallel_size", 1),
+        "vllm_version": version, "device": doc.device or "cuda", "model": model,
+        "tensor_parallel_size": doc.tensor_parallel_size or 1,
+        "pipeline_parallel_size": doc.pipeline_parallel_size or 1,
         "kv_cache_dtype": labels.get("cache_dtype", "auto"), "device_total_gib": total,
         "gpu_memory_utilization": util, "requested_gib": requested / GIB, "available_kv_gib": available / GIB,
         "non_kv_gib": (requested - available) / GIB, "includes_weights": True,
         "precision_gib": block_bytes / 2 / GIB, "source": source,
-        "max_num_batched_tokens": plan.get("max_num_batched_tokens")})
+        "max_num_batched_tokens": doc.max_num_batched_tokens})
 
 
 def measured_from_log(text: str, source: str, *, required: bool) -> Calibration | None:
@@ -181,10 +186,8 @@ def write_calibration(calibration: Calibration, path: Path) -> None:
 
 def load_calibration(path: Path) -> Calibration:
     """A calibration file written by ``kvops verify --calibration-out``; anything else exits 2."""
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadInputError(f"--calibration {path}: {exc}; write one with kvops verify --calibration-out") from None
+    label = f"--calibration {path}"
+    raw = parse_json(read_text(path, label), label)
     try:
         return Calibration.model_validate(raw)
     except ValidationError as exc:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import Final
 
+# re-exported for the planner modules: GIB is defined once, in core
+from kvops.core.units import GIB as GIB
+
 VLLM_VERSION: Final = "0.32.0"
-GIB: Final = 1 << 30
 GB: Final = 1_000_000_000
 
 # Bytes per element of the KV dtypes vLLM accepts (config/cache.py CacheDType,
@@ -79,3 +81,7 @@ GPU_CATALOG_GIB: Final[dict[str, float]] = {
 ACTIVATION_PEAK_GIB_PER_8K_TOKENS: Final = 2.0  # torch peak of the profile run at mnbt=8192
 NON_TORCH_GIB: Final[dict[bool, float]] = {False: 0.25, True: 2.1}  # keyed by tp > 1
 CUDA_GRAPH_GIB_PER_CAPTURE_SIZE: Final = 0.02  # ~1.04 GiB over ~51 sizes at max_num_seqs 256
+
+MAX_LAYERS = 4096
+"""Beyond any real decoder (the deepest published ones have a few hundred layers): a config past it
+is a typo, and sizing it would loop for minutes."""

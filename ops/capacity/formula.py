@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvops.core.errors import BadInputError
 from kvops.ops.capacity.constants import GB, GIB
 from kvops.ops.capacity.model import ModelKV
-from kvops.ops.errors import BadInputError
 
 
 def _held_tokens(kind: str, window: int | None, tokens: int) -> int:

@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from kvops.ops.errors import BadInputError
+from kvops.core.errors import BadInputError
+from kvops.ops.capacity.constants import MAX_LAYERS
 
 GEMMA4_MODEL_TYPES: Final = ("gemma4", "gemma4_text")
 # Gemma4TextConfig defaults for the fields sizing reads (configuration_gemma4.py).
@@ -43,6 +44,9 @@ def _field(cfg: Mapping[str, Any], key: str, where: str = "") -> int:
 
 def layer_types(cfg: Mapping[str, Any]) -> list[str]:
     n = _field(cfg, "num_hidden_layers")
+    if n > MAX_LAYERS:
+        raise BadInputError(f"config field 'num_hidden_layers' {n} is beyond any real model "
+                            f"(at most {MAX_LAYERS}): check the config")
     types = cfg.get("layer_types")
     if types is None:
         types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]

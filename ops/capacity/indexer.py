@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from kvops.ops.errors import BadInputError
+from kvops.core.errors import BadInputError
 
 INDEXER_QUANT_BLOCK: Final = 128  # elements per fp32 scale (Indexer.quant_block_size)
 SPARSE_MLA_BLOCK_SIZE: Final = 64  # DeepseekV32IndexerBackend.get_supported_kernel_block_sizes

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvops.core.errors import BadInputError
 from kvops.ops.capacity import gemma4
+from kvops.ops.capacity.constants import MAX_LAYERS
 from kvops.ops.capacity.gemma4 import is_gemma4
-from kvops.ops.errors import BadInputError
 
 LayerChoice = tuple[str | None, int | None]  # (kind, window or chunk tokens)
 
@@ -40,6 +41,9 @@ def _num_layers(cfg: Mapping[str, Any]) -> int:
     value = cfg.get("num_hidden_layers")
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise BadInputError(f"config field 'num_hidden_layers' must be a positive integer, got {value!r}")
+    if value > MAX_LAYERS:
+        raise BadInputError(f"config field 'num_hidden_layers' {value} is beyond any real model "
+                            f"(at most {MAX_LAYERS}): check the config")
     return value
 
 

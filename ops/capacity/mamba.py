@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvops.core.errors import BadInputError
 from kvops.ops.capacity.constants import MODEL_DTYPE_BYTES
-from kvops.ops.errors import BadInputError
 
 
 def _get(cfg: Mapping[str, Any], key: str) -> int:

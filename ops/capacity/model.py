@@ -8,17 +8,19 @@ a silent guess would print a confident, wrong capacity.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from kvops.core.errors import BadInputError
+from kvops.core.files import read_mapping
 from kvops.ops.capacity import gemma4
 from kvops.ops.capacity.constants import (
     FP8_DS_MLA_ROW_BYTES,
     KV_CACHE_DTYPES,
     KV_DTYPE_BYTES,
+    MAX_LAYERS,
     MODEL_DTYPE_BYTES,
 )
 from kvops.ops.capacity.gemma4 import is_gemma4
@@ -30,7 +32,6 @@ from kvops.ops.capacity.indexer import (
 )
 from kvops.ops.capacity.layers import layer_kinds
 from kvops.ops.capacity.speculative import speculation
-from kvops.ops.errors import BadInputError
 
 LayerKind = Literal["full", "sliding", "chunked", "mla", "mamba"]
 _KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num",
@@ -84,15 +85,9 @@ class ModelKV:
 def load_config(path: Path) -> dict[str, Any]:
     """Read config.json (or a model directory holding one); malformed input exits 2."""
     file = path / "config.json" if path.is_dir() else path
-    try:
-        data = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise BadInputError(f"{file}: no such file; pass a config.json or a model directory") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadInputError(f"{file}: not valid JSON ({exc}); pass a HF config.json") from None
-    if not isinstance(data, dict):
-        raise BadInputError(f"{file}: top level must be a JSON object (a HF config.json)")
-    return data
+    if not file.exists():
+        raise BadInputError(f"{file}: no such file; pass a config.json or a model directory")
+    return read_mapping(file)
 
 
 def text_config(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -164,6 +159,40 @@ def head_size(cfg: Mapping[str, Any], use_mla: bool) -> int:
     return _int(cfg, "hidden_size") // _int(cfg, "num_attention_heads")
 
 
+# vllm/transformers_utils/model_arch_config_convertor.py: the keys vLLM derives max_model_len from
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                 "max_sequence_length", "max_seq_length", "seq_len")
+# vllm/config/model.py _get_and_verify_max_len: rope types whose factor is not applied again
+_UNSCALED_ROPE = {"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"}
+
+
+def context_limit(cfg: Mapping[str, Any]) -> int | None:
+    """The longest max_model_len vLLM 0.32 accepts for this config (without
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN): the smallest length key, times a RoPE factor vLLM applies.
+    None when the config names no length (vLLM then takes what it is given)."""
+    found = [v for k in _MAX_LEN_KEYS if isinstance(v := cfg.get(k), int | float) and not isinstance(v, bool)]
+    if not found:
+        return None
+    limit = float(min(found))
+    factor = 1.0
+    for rope in _rope_parameters(cfg):
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in _UNSCALED_ROPE and isinstance(rope.get("factor"), int | float):
+            factor = float(rope["factor"])
+    return int(limit * factor) if limit * factor >= 1 else None
+
+
+def _rope_parameters(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """rope_scaling / rope_parameters, flat or per layer type (transformers 5)."""
+    out = []
+    for key in ("rope_scaling", "rope_parameters"):
+        value = cfg.get(key)
+        if isinstance(value, dict):
+            nested = [v for v in value.values() if isinstance(v, dict)]
+            out += nested if nested else [value]
+    return out
+
+
 def read_model(
     raw: Mapping[str, Any],
     *,
@@ -186,6 +215,10 @@ def read_model(
     if tp < 1:
         raise BadInputError(f"--tensor-parallel-size must be >= 1, got {tp}")
     cfg = text_config(raw)
+    heads_q = cfg.get("num_attention_heads")
+    if isinstance(heads_q, int) and heads_q > 0 and heads_q % tp:  # vLLM: verify_with_parallel_config
+        raise BadInputError(f"--tensor-parallel-size {tp} must divide num_attention_heads {heads_q} "
+                            "(vLLM refuses to start otherwise)")
     archs = cfg.get("architectures") or [cfg.get("model_type") or "?"]
     arch = str(archs[0])
     mdtype = model_dtype(cfg, dtype)
@@ -233,13 +266,12 @@ def read_model(
     if not layers:
         raise BadInputError(f"{arch}: no layer with a KV cache found; check num_hidden_layers")
     layers += _draft_layers(layers, draft_layers, len(kinds), index_bytes)
-    max_pos = cfg.get("max_position_embeddings")
     return ModelKV(
         architecture=arch, model_dtype=mdtype,
         kv_dtype=_kv_dtype_name(kv_cache_dtype, mdtype, sparse),
         layers=tuple(layers), num_kv_heads_per_rank=heads, head_size=hsize, use_mla=use_mla,
         attn_bytes_per_token_1=per_token,
-        max_position_embeddings=max_pos if isinstance(max_pos, int) else None,
+        max_position_embeddings=context_limit(cfg),
         num_decoder_layers=len(kinds), draft_layers=draft_layers, sparse_mla=sparse,
         num_speculative_tokens=spec.num_speculative_tokens, per_layer_head_dims=per_layer is not None,
     )
@@ -261,6 +293,8 @@ def _draft_layers(layers: list[LayerKV], count: int, first_index: int, index_byt
     drafter (MTP) layers always build their own indexer (models/deepseek_v32/attention.py:185)."""
     if count < 0:
         raise BadInputError(f"--draft-layers must be >= 0, got {count}")
+    if count > MAX_LAYERS:
+        raise BadInputError(f"--draft-layers {count} is beyond any drafter (at most {MAX_LAYERS})")
     if not count:
         return []
     if any(layer.kind == "mamba" and not layer.speculative_blocks for layer in layers):

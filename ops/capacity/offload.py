@@ -13,10 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvops.core.plan import OffloadAdvice
 from kvops.ops.capacity.constants import GIB
 
 LRU_HEADROOM = 1.25  # LRU evicts early under churn; keep a quarter more than the working set
-LMCACHE_CHUNK_TOKENS = 256  # kvops.plugin.offload.settings.OffloadSettings.chunk_size default
+LMCACHE_CHUNK_TOKENS = 256  # kvops.core.offload.settings.OffloadSettings.chunk_size default
 GIB_STEP = 0.5  # sizes are rounded up to half a GiB
 
 
@@ -35,31 +36,33 @@ def _round_up(gib: float) -> float:
     return math.ceil(gib / GIB_STEP) * GIB_STEP
 
 
-def recommend_offload(inp: OffloadInputs) -> dict[str, object]:
+def recommend_offload(inp: OffloadInputs) -> OffloadAdvice:
     """``lmcache_cpu_gib``/``lmcache_disk_gib`` (None when offload cannot help) and why."""
     if inp.distinct_prefixes <= 0 or inp.prefix_tokens <= 0:
-        return {"lmcache_cpu_gib": None, "lmcache_disk_gib": None, "working_set_gib": 0.0,
-                "warning": "no prefix reuse given (--distinct-prefixes/--prefix-tokens): offload cannot "
-                           "help a workload that never repeats a prefix; leave it off"}
+        return OffloadAdvice(lmcache_cpu_gib=None, lmcache_disk_gib=None, working_set_gib=0.0,
+                             warning="no prefix reuse given (--distinct-prefixes/--prefix-tokens): offload "
+                                     "cannot help a workload that never repeats a prefix; leave it off")
     chunks = math.ceil(inp.prefix_tokens / inp.chunk_tokens)
     per_prefix = chunks * inp.chunk_tokens * inp.kv_bytes_per_token_per_rank * inp.ranks
     working_set = inp.distinct_prefixes * per_prefix
     wanted = _round_up(working_set * LRU_HEADROOM / GIB)
     l1 = wanted if inp.host_memory_gib is None else min(wanted, _round_down(inp.host_memory_gib))
-    disk = _round_up(wanted - l1) if wanted > l1 else None
-    out: dict[str, object] = {
-        "lmcache_cpu_gib": l1, "lmcache_disk_gib": disk, "working_set_gib": working_set / GIB,
-        "bytes_per_prefix": per_prefix, "chunk_tokens": inp.chunk_tokens,
-        "why": (f"{inp.distinct_prefixes} prefixes × {chunks} chunks of {inp.chunk_tokens} tokens × "
-                f"{inp.kv_bytes_per_token_per_rank * inp.ranks:,} B/token = {working_set / GIB:.2f} GiB, "
-                f"× {LRU_HEADROOM} LRU headroom"),
-    }
+    # inclusive: LMCache writes every chunk to every tier (ops/capacity/tiers.py), so the disk
+    # tier holds the whole working set, not the part beyond L1
+    disk = wanted if wanted > l1 else None
+    warning = None
     if working_set * 2 <= inp.gpu_kv_bytes * inp.ranks:
-        out["warning"] = ("the working set fits in half of the GPU KV pool: vLLM's own prefix cache already "
-                          "holds it; offload adds restart persistence and headroom under load, not hits")
+        warning = ("the working set fits in half of the GPU KV pool: vLLM's own prefix cache already "
+                   "holds it; offload adds restart persistence and headroom under load, not hits")
     if l1 <= 0:
-        out["warning"] = "--host-memory-gib leaves no L1; LMCache needs an L1 tier in front of disk"
-    return out
+        warning = "--host-memory-gib leaves no L1; LMCache needs an L1 tier in front of disk"
+    return OffloadAdvice(
+        lmcache_cpu_gib=l1, lmcache_disk_gib=disk, working_set_gib=working_set / GIB,
+        bytes_per_prefix=per_prefix, chunk_tokens=inp.chunk_tokens,
+        why=(f"{inp.distinct_prefixes} prefixes × {chunks} chunks of {inp.chunk_tokens} tokens × "
+             f"{inp.kv_bytes_per_token_per_rank * inp.ranks:,} B/token = {working_set / GIB:.2f} GiB, "
+             f"× {LRU_HEADROOM} LRU headroom"),
+        warning=warning)
 
 
 def _round_down(gib: float) -> float:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from kvops.ops.errors import BadInputError
+from kvops.core.errors import BadInputError
 
 EAGLE_FAMILY: Final = ("eagle", "eagle3", "mtp", "dflash", "dspark")  # SpeculativeConfig.use_eagle
 METHODS: Final = (*EAGLE_FAMILY, "ngram", "ngram_gpu", "suffix", "draft_model", "medusa", "mlp_speculator")

@@ -8,15 +8,18 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvops.core import http
+from kvops.core.errors import BadInputError, KvopsError
+from kvops.core.plan import Expectation, ExpectedCapacity, NonKvTerms
+from kvops.core.prom import CACHE_INFO, info_labels, samples_by_name
 from kvops.ops.capacity.calibration import Calibration, calibration_from_metrics, measured_from_log
-from kvops.ops.errors import BadInputError, KvopsError
 
 # v1/core/kv_cache_utils.py update_kv_cache_capacity (one line since 0.2x; "GPU" or "CPU").
+# (?<![A-Z]): the device name starts a word, so a long run of capitals is tried once, not once
+# per letter (a 20,000-capital line took 37 s without it)
 LOG_LINE = re.compile(
-    r"(?P<dev>[A-Z]+(?: \+ host)?) KV cache size: (?P<tokens>[\d,]+) tokens, Maximum concurrency "
+    r"(?<![A-Z])(?P<dev>[A-Z]+(?: \+ host)?) KV cache size: (?P<tokens>[\d,]+) tokens, Maximum concurrency "
     r"for (?P<mml>[\d,]+) tokens per request: (?P<conc>[\d.]+)x")
-INFO_LINE = re.compile(r"^vllm:cache_config_info\{(?P<labels>.*)\}\s", re.MULTILINE)
-LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True)
@@ -49,14 +52,18 @@ def _opt_int(labels: dict[str, str], key: str) -> int | None:
 
 def cache_config_labels(text: str) -> dict[str, str]:
     """The labels of ``vllm:cache_config_info`` (v1/metrics/loggers.py: CacheConfig as labels)."""
-    m = INFO_LINE.search(text)
-    if not m:
+    labels = info_labels(samples_by_name(text), CACHE_INFO)
+    if labels is None:
         raise BadInputError("no vllm:cache_config_info in /metrics; is this a vLLM server?")
-    return dict(LABEL.findall(m["labels"]))
+    return labels
 
 
 def parse_metrics(text: str) -> Observed:
-    labels = cache_config_labels(text)
+    return observed_from_labels(cache_config_labels(text))
+
+
+def observed_from_labels(labels: dict[str, str]) -> Observed:
+    """What ``vllm:cache_config_info``'s labels say, from /metrics or from Prometheus."""
     tokens = _opt_int(labels, "kv_cache_size_tokens")
     if tokens is None:
         raise BadInputError("vllm:cache_config_info has no kv_cache_size_tokens label (vLLM < 0.2x?)")
@@ -74,8 +81,8 @@ def fetch_identity(url: str, timeout_s: float = 10.0) -> tuple[str, str]:
 
     base = url.rstrip("/").removesuffix("/metrics")
     try:
-        version = requests.get(base + "/version", timeout=timeout_s).json()["version"]
-        models = requests.get(base + "/v1/models", timeout=timeout_s).json()["data"]
+        version = http.get(base + "/version", timeout_s).json()["version"]
+        models = http.get(base + "/v1/models", timeout_s).json()["data"]
     except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
         raise KvopsError(f"cannot read {base}/version and /v1/models: {exc}; check --url") from None
     first = models[0] if models else {}
@@ -87,16 +94,16 @@ def fetch_metrics(url: str, timeout_s: float = 10.0) -> str:
 
     target = url.rstrip("/") + ("" if url.rstrip("/").endswith("/metrics") else "/metrics")
     try:
-        response = requests.get(target, timeout=timeout_s)
+        response = http.get(target, timeout_s)
         response.raise_for_status()
     except requests.RequestException as exc:
         raise KvopsError(f"cannot read {target}: {exc}; check --url") from None
     return response.text
 
 
-def term_differences(plan_non_kv: dict[str, float], measured: Calibration) -> dict[str, float]:
+def term_differences(plan_non_kv: NonKvTerms, measured: Calibration) -> dict[str, float]:
     """Measured − planned GiB per non-KV term, for the terms the server's log splits out."""
-    planned = {k: float(v) for k, v in plan_non_kv.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    planned = dict(plan_non_kv.items())
     if measured.includes_weights:
         return {"non_kv_gib": round(measured.non_kv_gib - sum(planned.values()), 4)}
     out = {}
@@ -107,17 +114,14 @@ def term_differences(plan_non_kv: dict[str, float], measured: Calibration) -> di
     return out
 
 
-def verify_against(doc: dict[str, Any], observed: Observed, measured: Calibration | None) -> dict[str, Any]:
+def verify_against(doc: Expectation, observed: Observed, measured: Calibration | None) -> dict[str, Any]:
     """Compare a kv-capacity or plan JSON with the server; name the non-KV term when both the
     plan's terms and the log's measurements are there."""
-    capacity = doc.get("capacity")
-    expected = capacity if isinstance(capacity, dict) else doc
-    plan_non_kv = doc.get("non_kv")
-    terms = term_differences(plan_non_kv, measured) if measured and isinstance(plan_non_kv, dict) else None
-    return compare(expected, observed, terms)
+    terms = term_differences(doc.non_kv, measured) if measured and doc.non_kv else None
+    return compare(doc.capacity, observed, terms)
 
 
-def compare(expected: dict[str, Any], observed: Observed, terms: dict[str, float] | None = None) -> dict[str, Any]:
+def compare(expected: ExpectedCapacity, observed: Observed, terms: dict[str, float] | None = None) -> dict[str, Any]:
     """Field-by-field comparison; ``explanation`` names the term that accounts for a gap.
 
     ``terms`` (measured − planned GiB per non-KV term, from the server's log) lets the
@@ -125,10 +129,10 @@ def compare(expected: dict[str, Any], observed: Observed, terms: dict[str, float
     """
     fields = {"kv_cache_size_tokens": observed.kv_cache_size_tokens,
               "num_blocks": observed.num_blocks, "block_size": observed.block_size}
-    diffs = {k: {"expected": expected.get(k), "observed": v} for k, v in fields.items()
-             if v is not None and expected.get(k) is not None and expected.get(k) != v}
-    conc = expected.get("max_concurrency")
-    if observed.max_concurrency is not None and isinstance(conc, float):
+    diffs = {k: {"expected": getattr(expected, k), "observed": v} for k, v in fields.items()
+             if v is not None and getattr(expected, k) is not None and getattr(expected, k) != v}
+    conc = expected.max_concurrency
+    if observed.max_concurrency is not None and conc is not None:
         digits = 2 if observed.source == "log" else 6
         if round(conc, digits) != round(observed.max_concurrency, digits):
             diffs["max_concurrency"] = {"expected": conc, "observed": observed.max_concurrency}
@@ -141,16 +145,15 @@ def compare(expected: dict[str, Any], observed: Observed, terms: dict[str, float
             "non_kv_differences_gib": terms or {}, "explanation": explanation}
 
 
-def _explain(expected: dict[str, Any], observed: Observed, diffs: dict[str, Any]) -> str:
+def _explain(expected: ExpectedCapacity, observed: Observed, diffs: dict[str, Any]) -> str:
     if not diffs:
         return "the server's KV sizing equals the plan"
     if "block_size" in diffs:
         return "block size differs: pass --block-size/--device as the server ran"
     if observed.num_blocks is not None and "num_blocks" not in diffs:
         return "same blocks, different per-request blocks: max_model_len, max_num_batched_tokens, async scheduling or mamba cache mode differ"
-    bpb = expected.get("bytes_per_block")
-    tokens = expected.get("kv_cache_size_tokens")
-    if isinstance(bpb, int) and isinstance(tokens, int) and tokens:
+    tokens = expected.kv_cache_size_tokens
+    if expected.bytes_per_block is not None and tokens:
         gap = (observed.kv_cache_size_tokens - tokens) / tokens
         return (f"capacity differs by {gap:+.2%}: the available KV bytes differ (non-KV terms: weights, "
                 "activation peak, non-torch, CUDA graphs, or gpu_memory_utilization); "
@@ -159,7 +162,7 @@ def _explain(expected: dict[str, Any], observed: Observed, diffs: dict[str, Any]
 
 
 def read_server(
-    url: str | None, log_text: str | None, log_source: str, plan_doc: dict[str, Any], *,
+    url: str | None, log_text: str | None, log_source: str, plan_doc: Expectation, *,
     compare: bool, calibrate: bool,
 ) -> tuple[Observed | None, Calibration | None]:
     """What the server decided (for a comparison) and what it measured (for a calibration).

@@ -12,11 +12,12 @@ optionally ``count`` (a histogram: that many requests of that length).
 from __future__ import annotations
 
 import csv
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvops.ops.errors import BadInputError
+from kvops.core.errors import BadInputError
+from kvops.core.files import read_text
+from kvops.core.stats import nearest_rank
 
 NAMED_QUANTILES = {"p50": 0.50, "p90": 0.90, "p95": 0.95, "p99": 0.99}
 _TOKENS = ("tokens", "total_tokens", "length")
@@ -48,7 +49,7 @@ class Workload:
                     return int(getattr(self, name))
             raise BadInputError(f"--risk-quantile {risk}: with --p50/--p95/--p99 use p50, p95 or p99; "
                                 "give --lengths-file for any other quantile")
-        return _nearest_rank(self.histogram, q)
+        return nearest_rank(self.histogram, q)
 
     def mean(self) -> float:
         if not self.histogram:
@@ -66,16 +67,6 @@ def parse_quantile(risk: str) -> float:
     if not 0 < q <= 1:
         raise BadInputError(f"--risk-quantile {risk}: must be in (0, 1]")
     return q
-
-
-def _nearest_rank(histogram: tuple[tuple[int, int], ...], q: float) -> int:
-    rank = max(1, math.ceil(q * sum(c for _, c in histogram)))
-    seen = 0
-    for length, count in histogram:
-        seen += count
-        if seen >= rank:
-            return length
-    return histogram[-1][0]
 
 
 def from_quantiles(max_model_len: int, p50: int | None, p95: int | None, p99: int | None) -> Workload:
@@ -106,16 +97,20 @@ def from_file(path: Path, max_model_len: int) -> Workload:
     if too_long:
         raise BadInputError(f"{path}: {too_long} requests are longer than --max-model-len {max_model_len}; "
                             "raise --max-model-len or drop them (vLLM would reject them)")
-    p50, p95, p99 = (_nearest_rank(histogram, q) for q in (0.50, 0.95, 0.99))
+    p50, p95, p99 = (nearest_rank(histogram, q) for q in (0.50, 0.95, 0.99))
     return Workload(max_model_len, p50, p95, p99, histogram, f"file {path.name} ({sum(counts.values())} requests)")
 
 
 def _rows(path: Path) -> list[tuple[int, int, int]]:
     """(line number, prompt+output tokens, count) per data line."""
+    lines = read_text(path, f"--lengths-file {path}").splitlines()
     try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"--lengths-file {path}: {exc}") from None
+        return _parse_rows(path, lines)
+    except csv.Error as exc:  # e.g. a field over csv's size limit
+        raise BadInputError(f"--lengths-file {path}: not a CSV of lengths ({exc})") from None
+
+
+def _parse_rows(path: Path, lines: list[str]) -> list[tuple[int, int, int]]:
     numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")]
     if not numbered:
         return []
@@ -128,7 +123,7 @@ def _rows(path: Path) -> list[tuple[int, int, int]]:
         try:
             values = [int(c) for c in cells]
         except ValueError:
-            raise BadInputError(f"{path}:{lineno}: {line.strip()!r} is not integers") from None
+            raise BadInputError(f"{path}:{lineno}: {line.strip()[:80]!r} is not integers") from None
         if columns is None:
             if len(values) != 1:
                 raise BadInputError(f"{path}:{lineno}: several columns need a header line "

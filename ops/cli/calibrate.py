@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvops.ops.errors import BadInputError
+from kvops.core.errors import BadInputError
 
 
 def register(app: typer.Typer) -> None:
@@ -27,8 +27,8 @@ def calibrate(
     log: Annotated[Path, typer.Option(help="Where the recording server logs.")] = Path("kvops-calibrate.log"),
 ) -> None:
     """Serve MODEL with the plugin recording K/V, send the prompts, write per-layer scales."""
-    from kvops.ops.calibrate import CalibrationRequest, resolve_prompts, write_scales
-    from kvops.ops.calibrate import calibrate as run_calibration
+    from kvops.ops.fp8.calibrate import CalibrationRequest, resolve_prompts, write_scales
+    from kvops.ops.fp8.calibrate import calibrate as run_calibration
 
     dtype = "fp8_e4m3" if dtype == "fp8" else dtype
     if not out.parent.is_dir():

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from kvops.ops.errors import EXIT_CHECK_FAILED
+from kvops.core.errors import EXIT_CHECK_FAILED
+from kvops.ops.cli.options import JsonOut
 
 
 def register(app: typer.Typer) -> None:
@@ -19,7 +20,7 @@ def doctor(
     offload_dir: Annotated[Path, typer.Option(help="Directory an SSD offload tier would use.")] = Path("/tmp"),
     shm_gib: Annotated[float, typer.Option(help="KV cache GiB that zero-copy offload must fit in /dev/shm.")] = 1.0,
     disk_gib: Annotated[float, typer.Option(help="GiB the disk tier needs free.")] = 1.0,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    json_out: JsonOut = False,
 ) -> None:
     """Check vLLM, fp8-KV support, LMCache, the torchvision trap, /dev/shm and disk.
 

@@ -15,7 +15,7 @@ import typer
 from typer.core import TyperGroup
 
 from kvops import __version__
-from kvops.ops.errors import EXIT_ERROR, KvopsError
+from kvops.core.errors import EXIT_ERROR, KvopsError
 
 # One line per command module; each defines register(app: typer.Typer) -> None.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -27,7 +27,9 @@ COMMAND_MODULES: tuple[str, ...] = (
     "demo",
     "offload",
     "diagnose",
+    "alerts",
     "loadtest",
+    "trace",
 )
 
 
@@ -77,7 +79,7 @@ def build_app() -> typer.Typer:
         name="kvops",
         help="KV-cache operations for vLLM: plan, verify, calibrate, diagnose, load-test.",
         no_args_is_help=True,
-        add_completion=False,
+        add_completion=True,  # kvops --install-completion / --show-completion (bash, zsh, fish)
         pretty_exceptions_enable=False,
         context_settings={"help_option_names": ["-h", "--help"]},
     )

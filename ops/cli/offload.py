@@ -1,4 +1,5 @@
-"""``kvops offload serve|status``: run and inspect the LMCache server behind kvops offload."""
+"""``kvops offload serve|status|check``: run and inspect the LMCache server behind kvops offload,
+and prove a vLLM server's load path works."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from kvops.ops.cli.options import JsonOut, ServerUrl
 from kvops.ops.launch import ManagedServer
 
 offload_app = typer.Typer(help="LMCache CPU/SSD offload: run and inspect its server.",
@@ -53,12 +55,37 @@ def serve(
 def status(
     config: ConfigOpt = None,
     url: Annotated[str, typer.Option(help="LMCache HTTP API (default: from --config).")] = "",
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the whole answer.")] = 10.0,
+    json_out: JsonOut = False,
 ) -> None:
     """Summarise L1/L2 usage, hit tokens by tier and evictions of a running LMCache server."""
+    from kvops.core.endpoint import check_url
+    from kvops.core.http import deadline
     from kvops.ops.offload.server import load_offload_settings
     from kvops.ops.offload.status import fetch_status, render
 
-    base = url or load_offload_settings(config, {}).http_url
-    summary = fetch_status(base)
+    base = check_url(url) if url else load_offload_settings(config, {}).http_url
+    with deadline(timeout):
+        summary = fetch_status(base)
     typer.echo(json.dumps(summary) if json_out else render(summary))
+
+
+@offload_app.command("check")
+def check(
+    url: ServerUrl,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the canary's whole answer.")] = 120.0,
+    json_out: JsonOut = False,
+) -> None:
+    """Run the server's load-path canary now: store a synthetic prefix, load it back through the
+    connector, compare checksums. Exit 3 when loads do not happen, 1 when the server fails."""
+    from kvops.core.endpoint import check_url
+    from kvops.core.errors import CheckFailedError
+    from kvops.core.http import deadline
+    from kvops.ops.offload.check import run_check
+
+    with deadline(timeout):
+        verdict = run_check(check_url(url), timeout)
+    typer.echo(json.dumps(verdict) if json_out else
+               f"load path {'ok' if verdict['ok'] else 'FAILED'}: {verdict.get('reason', '')}")
+    if not verdict["ok"]:
+        raise CheckFailedError(f"offload load path failed: {verdict.get('reason', '')}")

@@ -10,11 +10,12 @@ stays importable without them.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvops.ops.errors import BadInputError, KvopsError
+from kvops.core.errors import BadInputError, KvopsError
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -65,9 +66,19 @@ class TinyModelSpec:
             (self.max_position_embeddings >= 64, "--max-position-embeddings must be >= 64"),
             (self.kv_proj_scale > 0, "--kv-proj-scale must be > 0"),
         )
-        for ok, message in checks:
+        for ok, message in checks + self._upper_bounds():
             if not ok:
                 raise BadInputError(message)
+
+    def _upper_bounds(self) -> tuple[tuple[bool, str], ...]:
+        """A tiny model is tiny: past these, building it would take minutes and gigabytes."""
+        bounds = {"--layers": (self.layers, 64), "--hidden": (self.hidden, 8192), "--heads": (self.heads, 256),
+                  "--kv-heads": (self.kv_heads, 256), "--head-dim": (self.head_dim, 512),
+                  "--intermediate": (self.intermediate, 32768), "--vocab": (self.vocab, 262144),
+                  "--max-position-embeddings": (self.max_position_embeddings, 1 << 20)}
+        return (*((value <= top, f"{option} {value} is past {top:,}, the most a tiny model takes")
+                  for option, (value, top) in bounds.items()),
+                (math.isfinite(self.kv_proj_scale), "--kv-proj-scale must be a finite number"))
 
 
 def config_dict(spec: TinyModelSpec) -> dict[str, object]:

@@ -17,11 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from kvops.ops.errors import KvopsError
-from kvops.ops.launch import ManagedServer, lmcache_server, log_tail
+from kvops.core.errors import KvopsError
+from kvops.core.offload.preflight import check_disk_dir
+from kvops.core.offload.settings import OffloadSettings
+from kvops.core.proc import log_tail, port_holder, port_in_use
+from kvops.core.units import GIB
+from kvops.ops.launch import ManagedServer
+from kvops.ops.offload.server import lmcache_server
 from kvops.ops.offload.shm import remove_stale_segments
-from kvops.plugin.offload.preflight import check_disk_dir
-from kvops.plugin.offload.settings import OffloadSettings
 
 STOP_GRACE_S = 20.0
 
@@ -33,12 +36,13 @@ def serve(
     """Run until a signal arrives (returns 0) or the server dies (raises KvopsError)."""
     freed = remove_stale_segments()
     if freed:
-        sys.stderr.write(f"kvops: removed {freed / (1 << 30):.2f} GiB of stale LMCache KV "
+        sys.stderr.write(f"kvops: removed {freed / GIB:.2f} GiB of stale LMCache KV "
                          "segments from /dev/shm\n")
     if settings.disk_path is not None:
         _check_disk(settings)
     if settings.shared_l2_address is not None:
         check_resp_server(*settings.shared_l2_address)
+    check_ports_free(settings)
     server = lmcache_server(settings, log_path=log_path)
     stop = threading.Event()
 
@@ -66,9 +70,26 @@ def serve(
             signal.signal(sig, handler)
 
 
+def check_ports_free(settings: OffloadSettings) -> None:
+    """One line naming whoever holds our ports (typically an lmcache server orphaned by a
+    supervisor killed before the parent-death signal existed), instead of LMCache's bind
+    traceback after it has loaded."""
+    for field, port in (("port", settings.port), ("http_port", settings.http_port)):
+        if not port_in_use(settings.host, port):
+            continue
+        holder = port_holder(port)
+        who = "another process" if holder is None else f"pid {holder[0]} ({holder[1][:100]})"
+        hint = "" if holder is None else f"stop it (kill {holder[0]}) or "
+        orphan = " an lmcache server left running by an earlier `kvops offload serve`?" if (
+            holder is not None and "lmcache" in holder[1]) else ""
+        raise KvopsError(
+            f"kvops.offload.{field} {port} on {settings.host} is already taken by {who}:{orphan} "
+            f"{hint}choose free ports"
+        )
+
+
 def _check_disk(settings: OffloadSettings) -> None:
-    from kvops.ops.errors import BadInputError
-    from kvops.plugin.errors import KvopsPluginError
+    from kvops.core.errors import BadInputError, KvopsPluginError
 
     try:
         check_disk_dir(str(settings.disk_path), settings.disk_gib)

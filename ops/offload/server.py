@@ -9,15 +9,18 @@ transfer mode the vLLM side can use (``auto`` accepts both engine- and lmcache-d
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from kvops.ops.errors import BadInputError
-from kvops.plugin.errors import KvopsPluginError
-from kvops.plugin.offload.settings import OffloadSettings
-from kvops.plugin.settings import parse_settings
+from kvops.core.errors import BadInputError, KvopsError, KvopsPluginError
+from kvops.core.files import read_mapping
+from kvops.core.offload.settings import OffloadSettings
+from kvops.core.settings import parse_settings
+from kvops.ops.launch import ManagedServer
 
 LMCACHE_ENV: dict[str, str] = {
     "LMCACHE_TRACK_USAGE": "false",  # telemetry to stats.lmcache.ai is on by default
@@ -49,14 +52,7 @@ def load_offload_settings(config: Path | None, overrides: dict[str, Any]) -> Off
 
 
 def _offload_section(config: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(config.read_text()) or {}
-    except OSError as exc:
-        raise BadInputError(f"--config {config}: cannot read it ({exc.strerror})") from None
-    except yaml.YAMLError as exc:
-        raise BadInputError(f"--config {config}: not valid YAML ({' '.join(str(exc).split())})") from None
-    if not isinstance(data, dict):
-        raise BadInputError(f"--config {config}: expected a mapping of kvops settings")
+    data = read_mapping(config, "--config")
     section = data.get("offload") or {}
     if not isinstance(section, dict):
         raise BadInputError(f"--config {config}: 'offload' must be a mapping")
@@ -85,3 +81,31 @@ def server_args(settings: OffloadSettings) -> list[str]:
         shared = {"type": "resp", "host": host, "port": port, "num_workers": 2}
         args += ["--l2-adapter", json.dumps(shared)]
     return args
+
+
+def lmcache_executable() -> str:
+    """The `lmcache` next to this interpreter (the venv's), else the one on PATH."""
+    local = Path(sys.executable).with_name("lmcache")
+    if local.exists():
+        return str(local)
+    found = shutil.which("lmcache")
+    if not found:
+        raise KvopsError("the `lmcache` command is not installed: run `make setup` (lmcache 0.5.6)")
+    return found
+
+
+def lmcache_server(
+    settings: OffloadSettings,
+    *,
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+    name: str = "lmcache",
+) -> ManagedServer:
+    """A not-yet-started `lmcache server` for these offload settings; start() waits for
+    GET /healthcheck on its HTTP port (the ZMQ port takes no HTTP)."""
+    full_env = {**os.environ, **LMCACHE_ENV, **(env or {})}
+    argv = [lmcache_executable(), "server", *server_args(settings)]
+    return ManagedServer(
+        name=name, argv=argv, port=settings.http_port, log_path=log_path, env=full_env,
+        host=settings.host, die_with_parent=True,
+    )

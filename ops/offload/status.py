@@ -9,9 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvops.ops.errors import KvopsError
+from kvops.core import http
+from kvops.core.errors import KvopsError
+from kvops.core.prom import samples_by_name, selector_sum
+from kvops.core.units import GIB
 
 COUNTERS: dict[str, str] = {
     "lookup_tokens": "lmcache_mp_lookup_requested_tokens_total",
@@ -29,8 +31,8 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
     """One JSON-able summary of the server at ``url`` (its HTTP API base)."""
     base = url.rstrip("/")
     try:
-        status = requests.get(base + "/status", timeout=timeout_s)
-        metrics = requests.get(base + "/metrics", timeout=timeout_s)
+        status = http.get(base + "/status", timeout_s)
+        metrics = http.get(base + "/metrics", timeout_s)
     except requests.RequestException as exc:
         raise KvopsError(
             f"LMCache server not reachable at {base}: {type(exc).__name__}; start it with "
@@ -38,7 +40,17 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
         ) from None
     if status.status_code != 200:
         raise KvopsError(f"LMCache server at {base} answered /status with HTTP {status.status_code}")
-    return summarize(base, status.json(), metrics.text)
+    try:
+        document = status.json()
+    except ValueError:
+        raise KvopsError(f"{base}/status did not answer JSON: is it the LMCache server's HTTP port?") from None
+    if not isinstance(document, dict):
+        raise KvopsError(f"{base}/status answered JSON that is not LMCache's status document")
+    try:
+        return summarize(base, document, metrics.text)
+    except (AttributeError, TypeError, ValueError, KeyError) as exc:
+        raise KvopsError(f"{base} answered a /status LMCache would not ({type(exc).__name__}): "
+                         "is it the LMCache server's HTTP port?") from None
 
 
 def summarize(url: str, status: dict[str, Any], metrics_text: str) -> dict[str, Any]:
@@ -83,18 +95,13 @@ def _padded(items: list[dict[str, Any]], length: int) -> list[dict[str, Any]]:
 
 def counter_values(metrics_text: str) -> dict[str, float]:
     """Our names for LMCache's counters, summed over their labels; absent counters are 0."""
-    wanted = {metric: ours for ours, metric in COUNTERS.items()}
-    values = dict.fromkeys(COUNTERS, 0.0)
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                values[wanted[sample.name]] += float(sample.value)
-    return values
+    by_name = samples_by_name(metrics_text)
+    return {ours: selector_sum(by_name, metric) for ours, metric in COUNTERS.items()}
 
 
 def render(summary: dict[str, Any]) -> str:
     """Human-readable lines for a terminal."""
-    gib = float(1 << 30)
+    gib = float(GIB)
     l1 = summary["l1"]
     lines = [
         f"LMCache server {summary['url']}: {'healthy' if summary['healthy'] else 'UNHEALTHY'}, "

@@ -1,7 +1,7 @@
 """``kvops_fp8_*`` on vLLM's /metrics: is fp8 KV active, which scales won, and their values.
 
 Published once from the front end (the stat-logger plugin, plugin/stats.py). The plan comes
-from the same pure functions the workers use (kvops.ops.fp8), so what is shown is what the
+from the same pure functions the workers use (kvops.core.fp8.scales), so what is shown is what the
 workers applied; a scales file is re-read here, it was validated before the engine started.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvops.plugin.fp8.settings import KvScalesSettings
+from kvops.core.fp8.settings import KvScalesSettings
 from kvops.plugin.fp8.validate import plan_fp8
 from kvops.plugin.metrics import gauge
 

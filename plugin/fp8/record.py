@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
+
+from kvops.plugin.loops import ResilientLoop
 
 SAMPLE_PER_LAYER = 32768
 """Values kept per layer and per K/V for the error estimate: enough for a stable RMS."""
@@ -35,7 +36,8 @@ class KvRecorder:
         self._samples: dict[str, dict[str, Any]] = {}
         self._gen = torch.Generator().manual_seed(os.getpid())
         self._dirty = False
-        threading.Thread(target=self._flush_loop, name="kvops-kv-recorder", daemon=True).start()
+        # A flush that fails (disk full) is counted and retried; it never ends the thread.
+        ResilientLoop("kvops-kv-recorder", {"fp8_recorder": self.flush}, FLUSH_INTERVAL_S).start()
 
     def observe(self, layer_name: str, key: Any, value: Any) -> None:
         """Fold one cache write (rows = tokens) into the layer's statistics."""
@@ -63,11 +65,6 @@ class KvRecorder:
             keep = torch.randperm(merged.numel(), generator=self._gen)[:SAMPLE_PER_LAYER]
             merged = merged[keep]
         return merged
-
-    def _flush_loop(self) -> None:
-        while True:
-            time.sleep(FLUSH_INTERVAL_S)
-            self.flush()
 
     def flush(self) -> None:
         import torch

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvops.ops.errors import BadInputError
-from kvops.ops.fp8 import (
+from kvops.core.errors import BadInputError, KvopsPluginError
+from kvops.core.fp8.scales import (
     ScalesFile,
     ScaleSource,
     checkpoint_kv_scale_names,
@@ -29,8 +29,7 @@ from kvops.ops.fp8 import (
     read_model_config,
     scales_mismatch,
 )
-from kvops.plugin.errors import KvopsPluginError
-from kvops.plugin.fp8.settings import KvScalesSettings
+from kvops.core.fp8.settings import KvScalesSettings
 
 FAKE_CPU_FLAGS_ENV = "KVOPS_FAKE_CPU_FLAGS"
 """Replaces /proc/cpuinfo's flags (comma-separated) in the fp8 check. Only for tests: a CPU

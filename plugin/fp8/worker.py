@@ -13,14 +13,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from kvops.ops.fp8 import (
+from kvops.core.fp8.scales import (
     ScalesFile,
     checkpoint_kv_scale_names,
     choose_scale_source,
     load_scales_file,
     normalize_fp8_dtype,
 )
-from kvops.plugin.fp8.settings import KvScalesSettings
+from kvops.core.fp8.settings import KvScalesSettings
 
 
 @lru_cache(maxsize=4)

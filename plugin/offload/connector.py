@@ -11,6 +11,8 @@ to the front end. Imported by vLLM's connector factory only when the connector i
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +20,23 @@ from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.logger import init_logger
 
+from kvops.core.errors import KvopsPluginError
+from kvops.core.offload.canary import (
+    CANARY_REQUEST_PREFIX,
+    CORRUPT,
+    FAILED,
+    UNVERIFIED,
+    VERIFIED,
+)
+from kvops.core.offload.preflight import SERVE_HINT, check_still_serving
+from kvops.core.offload.settings import digest_budget_bytes
 from kvops.plugin._compat import refuse_in_engine
-from kvops.plugin.errors import KvopsPluginError
 from kvops.plugin.offload.integrity import (
     BlockDigests,
     block_crc,
     block_keys,
     first_group_blocks,
 )
-from kvops.plugin.offload.preflight import SERVE_HINT, check_still_serving
 from kvops.plugin.offload.prom import OffloadPromMetrics
 from kvops.plugin.offload.stats import OffloadStats
 from kvops.plugin.offload.wiring import KVOPS_EXTRA_KEY, LOCAL_HOSTS
@@ -45,6 +55,9 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         self._kvops_layers: list[Any] = []
         self._kvops_digests: BlockDigests | None = None
         self._kvops_bad_blocks: set[int] = set()
+        self._kvops_to_verify: list[Any] = []
+        self._kvops_failed_blocks: set[int] = set()
+        self._kvops_faults: set[str] = set()
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self._kvops_server = extra.get("lmcache.mp.host", "?") + f":{extra.get('lmcache.mp.port')}"
         try:
@@ -81,40 +94,53 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
             "kvops.offload", {})
         if settings.get("verify_kv", True) and all(t.device.type == "cpu" for t in layers):
             self._kvops_layers = layers
-            self._kvops_digests = BlockDigests(digest_path(settings, self._vllm_config))
+            self._kvops_digests = BlockDigests(digest_path(settings, self._vllm_config),
+                                               max_file_bytes=digest_budget_bytes(
+                                                   settings.get("disk_gib")))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         started = time.perf_counter()
-        for meta, tokens in self._kvops_moves("RETRIEVE"):
-            self._kvops_loads[meta.request_id] = (started, tokens, meta)
+        with self._kvops_guard("load_bookkeeping"):
+            for meta, tokens in self._kvops_moves("RETRIEVE"):
+                self._kvops_loads[meta.request_id] = (started, tokens, meta)
         super().start_load_kv(forward_context, **kwargs)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Loads are asynchronous: their latency runs from submit to LMCache reporting them done."""
+        """Loads are asynchronous: their latency runs from submit to LMCache reporting them done.
+        Their blocks are checked in get_block_ids_with_load_errors, which vLLM calls after this
+        in the same step (kv_connector_model_runner_mixin.py) with the blocks that failed."""
         sending, receiving = super().get_finished(finished_req_ids)
-        now = time.perf_counter()
-        for request_id in receiving or ():
-            started, tokens, meta = self._kvops_loads.pop(request_id, (now, 0, None))
-            if tokens:
-                self._kvops_record("load", tokens, now - started)
-            if meta is not None:
-                self._kvops_verify(meta)
+        with self._kvops_guard("load_bookkeeping"):
+            now = time.perf_counter()
+            for request_id in receiving or ():
+                started, tokens, meta = self._kvops_loads.pop(request_id, (now, 0, None))
+                if tokens:
+                    self._kvops_record("load", tokens, now - started)
+                if meta is not None:
+                    self._kvops_to_verify.append(meta)
         return sending, receiving
 
     def wait_for_save(self) -> None:
-        """Stores hand KV over inside the step (vLLM may reuse the blocks afterwards)."""
-        moves = self._kvops_moves("STORE")
-        tokens = sum(tokens for _, tokens in moves)
-        if self._kvops_digests is not None:
-            for meta, _ in moves:
-                self._kvops_digests.record([
-                    (key, block_crc(self._kvops_layers, block))
-                    for key, block in self._kvops_blocks(meta, meta.op.start)
-                ])
+        """Stores hand KV over inside the step (vLLM may reuse the blocks afterwards). Nothing of
+        ours may raise here: an exception out of the step stops vLLM's engine core."""
+        moves: list[tuple[Any, int]] = []
+        with self._kvops_guard("digest_store"):
+            moves = self._kvops_moves("STORE")
+            self._kvops_record_digests(moves)
         started = time.perf_counter()
         super().wait_for_save()
+        tokens = sum(tokens for _, tokens in moves)
         if tokens:
-            self._kvops_record("store", tokens, time.perf_counter() - started)
+            with self._kvops_guard("store_bookkeeping"):
+                self._kvops_record("store", tokens, time.perf_counter() - started)
+
+    def _kvops_record_digests(self, moves: list[tuple[Any, int]]) -> None:
+        digests = self._kvops_digests
+        if digests is None:
+            return
+        for meta, _ in moves:
+            digests.record([(key, block_crc(self._kvops_layers, block))
+                            for key, block in self._kvops_blocks(meta, meta.op.start)])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed = super().get_block_ids_with_load_errors()
@@ -122,8 +148,42 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
             self._kvops_stats.error("load", len(failed))
             logger.error("kvops offload: LMCache failed to load %d blocks; vLLM recomputes them",
                          len(failed))
+        with self._kvops_guard("verify"):
+            self._kvops_verify_finished(failed)
         corrupt, self._kvops_bad_blocks = self._kvops_bad_blocks, set()
         return failed | corrupt
+
+    def _kvops_verify_finished(self, failed: set[int]) -> None:
+        """Check the loads LMCache finished, except those with a failed block: their blocks hold
+        whatever was there before (a checksum would cry "corrupt" for nothing) and vLLM
+        recomputes them anyway. LMCache may report failures up to the step that finishes the
+        load, so failures stay remembered while loads are in flight."""
+        self._kvops_failed_blocks |= failed
+        pending, self._kvops_to_verify = self._kvops_to_verify, []
+        for meta in pending:
+            blocks = set(first_group_blocks(meta.op.block_ids))
+            if blocks & self._kvops_failed_blocks:
+                self._kvops_canary_report(meta, FAILED)
+                continue
+            verdict = self._kvops_verify(meta)
+            self._kvops_canary_report(meta, {True: VERIFIED, None: UNVERIFIED}.get(verdict, CORRUPT))
+        if not self._kvops_loads:
+            self._kvops_failed_blocks = set()
+
+    @contextmanager
+    def _kvops_guard(self, component: str) -> Iterator[None]:
+        """Our own work inside vLLM's step never raises into it: a fault is counted
+        (kvops_internal_errors_total{component}), logged once per component, and the step goes
+        on as if offload had not seen it (at worst a block is not verified: recompute or miss)."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - the engine core must not die for our bookkeeping
+            self._kvops_stats.internal_error(f"offload_{component}")
+            if component not in self._kvops_faults:
+                self._kvops_faults.add(component)
+                logger.error("kvops offload: internal error in %s (%s: %s); serving continues, "
+                             "counted in kvops_internal_errors_total (logged once)", component,
+                             type(exc).__name__, exc)
 
     def _kvops_blocks(self, meta: Any, first_token: int) -> list[tuple[bytes, int]]:
         """(digest key, block id) of the op's blocks from the one holding ``first_token``."""
@@ -136,22 +196,31 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         return [(keys[j], blocks[j - start_block]) for j in range(first, end_block)
                 if j - start_block < len(blocks)]
 
-    def _kvops_verify(self, meta: Any) -> None:
-        """Blocks LMCache wrote must match what was stored; from a mismatch on, recompute."""
+    def _kvops_canary_report(self, meta: Any, key: str) -> None:
+        """The load-path canary's loads, reported apart (core/offload/canary.py)."""
+        if str(meta.request_id).startswith(CANARY_REQUEST_PREFIX):
+            self._kvops_stats.add(key, 1)
+
+    def _kvops_verify(self, meta: Any) -> bool | None:
+        """Blocks LMCache wrote must match what was stored; from a mismatch on, recompute.
+        True: every block matched; None: some block had no checksum; False: a mismatch."""
         if self._kvops_digests is None:
-            return
+            return None
         entries = self._kvops_blocks(meta, meta.op.start + getattr(meta.op, "skip_first_n_tokens", 0))
+        verified: bool | None = True
         for index, (key, block) in enumerate(entries):
             verdict = self._kvops_digests.check(key, block_crc(self._kvops_layers, block))
             if verdict is None:
                 self._kvops_stats.add("kvops_unverified_blocks", 1)
+                verified = None
             elif not verdict:
                 self._kvops_bad_blocks.update(block for _, block in entries[index:])
                 self._kvops_stats.error("corrupt", len(entries) - index)
                 logger.error("kvops offload: %d blocks LMCache returned for request %s do not "
                              "match what was stored (corrupt cache file?); vLLM recomputes them",
                              len(entries) - index, meta.request_id)
-                return
+                return False
+        return verified if entries else None
 
     def _kvops_moves(self, direction: str) -> list[tuple[Any, int]]:
         """(request metadata, tokens) this step moves one way; retrieves skip what vLLM holds."""
@@ -178,6 +247,8 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         if lmcache_stats is not None:
             self._kvops_stats.aggregate(lmcache_stats)
         self._kvops_check_health()
+        if self._kvops_digests is not None:
+            self._kvops_stats.set_digest_degraded(self._kvops_digests.problem is not None)
         stats = self._kvops_stats.clone_and_reset()
         return None if stats.is_empty() else stats
 

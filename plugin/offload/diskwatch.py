@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from kvops.plugin.offload.preflight import disk_write_problem
+from kvops.core.offload.preflight import disk_write_problem
 
 logger = logging.getLogger("vllm.plugins.kvops.offload")
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvops.plugin.errors import KvopsPluginError
-from kvops.plugin.offload.settings import OffloadSettings
+from kvops.core.errors import KvopsPluginError
+from kvops.core.offload.settings import OffloadSettings
 
 IN_PROCESS_CONNECTOR = "LMCacheConnectorV1"
 MULTI_CONNECTOR = "MultiConnector"

@@ -8,20 +8,21 @@ vLLM instances share one LMCache server they see the same numbers.
 
 from __future__ import annotations
 
-import threading
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from lmcache.integration.vllm.lmcache_mp_metrics import LMCacheMPPromMetrics
 
+from kvops.core.offload.canary import REPORT_KEYS
+from kvops.plugin.loops import ResilientLoop, count_internal_error
 from kvops.plugin.metrics import gauge
 from kvops.plugin.offload.diskwatch import DiskWatch
-from kvops.plugin.offload.stats import COUNTERS, DEGRADED, ERRORS
+from kvops.plugin.offload.stats import COUNTERS, DEGRADED, DIGEST_DEGRADED, ERRORS, INTERNAL
 
 SERVER_POLL_S = 5.0
 SERVER_POLL_TIMEOUT_S = 1.0
+SERVER_POLL_MAX_BYTES = 4 << 20  # LMCache's page is a few KiB; more is not its /metrics
 # LMCache MP server metric -> (our gauge, its tier label); research/lmcache.md §2 "MP metrics".
 SERVER_METRICS: dict[str, tuple[str, str]] = {
     "lmcache_mp_lookup_hit_l1_tokens_total": ("kvops_offload_server_hit_tokens", "l1"),
@@ -81,8 +82,14 @@ class OffloadPromMetrics(LMCacheMPPromMetrics):
             name="kvops_offload_errors", labelnames=[*names, "kind"],
             documentation="LMCache offload errors by kind (unreachable, load)",
         )
+        self._digest_degraded = self._per_engine(self._gauge_cls(
+            name="kvops_offload_digest_degraded", labelnames=names, multiprocess_mode="mostrecent",
+            documentation="1 while the block digest file beside the disk tier refuses writes "
+                          "(digests kept in memory only; serving continues)",
+        ))
         for engine_idx in per_engine_labelvalues:
             self._degraded[engine_idx].set(0)
+            self._digest_degraded[engine_idx].set(0)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         settings = extra["kvops.offload"]
         url = "http://{host}:{http_port}/metrics".format(**settings)
@@ -92,19 +99,47 @@ class OffloadPromMetrics(LMCacheMPPromMetrics):
         return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """vLLM calls this in its output handler: an exception here kills the API server (seen
+        under preemption: a negative counter increment), so nothing may escape."""
+        try:
+            self._observe(transfer_stats_data, engine_idx)
+        except Exception:  # counted and logged once, never raised into vLLM
+            count_internal_error("offload_metrics")
+            if not self._observe_failed:
+                self._observe_failed = True
+                from kvops.plugin._compat import plugin_logger
+
+                plugin_logger().exception("kvops offload metrics: a stats report failed "
+                                          "(counted in kvops_internal_errors_total; serving continues)")
+
+    _observe_failed = False
+
+    def _observe(self, transfer_stats_data: dict[str, Any], engine_idx: int) -> None:
         super().observe(transfer_stats_data, engine_idx)
         data = transfer_stats_data
         if DEGRADED in data:
             self._degraded[engine_idx].set(data[DEGRADED])
+        if DIGEST_DEGRADED in data:
+            self._digest_degraded[engine_idx].set(data[DIGEST_DEGRADED])
+        for component, count in data.get(INTERNAL, {}).items():
+            count_internal_error(component, count)
         for key, counter in self._counters.items():
-            if data.get(key):
-                counter[engine_idx].inc(data[key])
+            value = data.get(key) or 0
+            if value > 0:
+                counter[engine_idx].inc(value)
+            elif value < 0:  # a report that went backwards (preemption): not a count
+                count_internal_error("offload_metrics")
         missed = data.get("kvops_lookup_tokens", 0) - data.get("kvops_hit_tokens", 0)
         if missed > 0:
             self._miss_tokens[engine_idx].inc(missed)
         for key, histogram in self._seconds.items():
             for seconds in data.get(key, ()):
                 histogram[engine_idx].observe(seconds)
+        reports = {key: int(data[key]) for key in REPORT_KEYS if data.get(key)}
+        if reports:
+            from kvops.plugin.offload.canary import TALLY
+
+            TALLY.add(reports)
         labels = self.per_engine_labelvalues[engine_idx]
         for kind, count in data.get(ERRORS, {}).items():
             self._errors.labels(*labels, kind).inc(count)
@@ -120,35 +155,46 @@ def local_disk_path(settings: dict[str, Any]) -> Path | None:
     return Path(disk).expanduser().resolve()
 
 
-class _ServerPoller(threading.Thread):
+class _ServerPoller(ResilientLoop):
     """Mirrors a few LMCache server metrics into gauges and watches the local disk tier; never
-    blocks vLLM's stat loop."""
+    blocks vLLM's stat loop, and outlives any answer LMCache gives (garbage, truncated, huge)."""
 
     def __init__(self, url: str, disk_path: Path | None) -> None:
-        super().__init__(name="kvops-offload-poll", daemon=True)
         self.url = url
         self.up = gauge("kvops_offload_server_up", "1 when the LMCache server answered the last poll")
         self.disk = None if disk_path is None else DiskWatch(disk_path, gauge(
             "kvops_offload_disk_degraded",
             "1 while the local disk tier refuses writes (full or read-only): LMCache stores fail",
         ))
-
-    def run(self) -> None:
-        while True:
-            self.poll_once()
-            if self.disk is not None:
-                self.disk.check()
-            time.sleep(SERVER_POLL_S)
+        steps = {"offload_poller": self.poll_once}
+        if self.disk is not None:
+            steps["offload_disk_watch"] = self.disk.check
+        super().__init__("kvops-offload-poll", steps, SERVER_POLL_S)
 
     def poll_once(self) -> None:
+        """up=0 when LMCache does not answer; an answer we cannot read is up=0 and raises (the
+        loop counts it and backs off)."""
         try:
             with urllib.request.urlopen(self.url, timeout=SERVER_POLL_TIMEOUT_S) as resp:  # noqa: S310
-                text = resp.read().decode()
+                body = resp.read(SERVER_POLL_MAX_BYTES + 1)
+                short = resp.length  # bytes its Content-Length promised and never sent
         except OSError:
             self.up.set(0)
             return
+        except Exception:
+            self.up.set(0)
+            raise
+        try:
+            if len(body) > SERVER_POLL_MAX_BYTES:
+                raise ValueError(f"/metrics page above {SERVER_POLL_MAX_BYTES} bytes")
+            if short:
+                raise ValueError(f"/metrics page cut short ({short} bytes missing)")
+            values = server_values(body.decode())
+        except Exception:
+            self.up.set(0)
+            raise
         self.up.set(1)
-        for (name, tier), value in server_values(text).items():
+        for (name, tier), value in values.items():
             gauge(name, SERVER_DOCS[name], ("tier",)).labels(tier=tier).set(value)
 
 

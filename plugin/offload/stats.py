@@ -21,7 +21,12 @@ COUNTERS = (
 )
 SERIES = ("kvops_store_seconds", "kvops_load_seconds")
 ERRORS = "kvops_errors"
+INTERNAL = "kvops_internal_errors"
 DEGRADED = "kvops_degraded"
+DIGEST_DEGRADED = "kvops_digest_degraded"
+FLAGS = (DEGRADED, DIGEST_DEGRADED)
+"""0/1 states: merged by max (either half degraded -> degraded), kept even when 0."""
+BY_KIND = (ERRORS, INTERNAL)
 
 
 @dataclass
@@ -34,12 +39,18 @@ class OffloadStats(LMCacheMPConnectorStats):
     def observe(self, key: str, seconds: float) -> None:
         self.data.setdefault(key, []).append(seconds)
 
-    def error(self, kind: str, count: int = 1) -> None:
-        errors = self.data.setdefault(ERRORS, {})
+    def error(self, kind: str, count: int = 1, key: str = ERRORS) -> None:
+        errors = self.data.setdefault(key, {})
         errors[kind] = errors.get(kind, 0) + count
 
-    def set_degraded(self, degraded: bool) -> None:
-        self.data[DEGRADED] = max(int(degraded), int(self.data.get(DEGRADED, 0)))
+    def internal_error(self, component: str) -> None:
+        self.error(component, 1, INTERNAL)
+
+    def set_degraded(self, degraded: bool, key: str = DEGRADED) -> None:
+        self.data[key] = max(int(degraded), int(self.data.get(key, 0)))
+
+    def set_digest_degraded(self, degraded: bool) -> None:
+        self.set_degraded(degraded, DIGEST_DEGRADED)
 
     def clone_and_reset(self) -> OffloadStats:
         snapshot = OffloadStats(data=self.data)
@@ -50,11 +61,11 @@ class OffloadStats(LMCacheMPConnectorStats):
         if not isinstance(other, LMCacheMPConnectorStats):
             raise TypeError(f"Cannot aggregate {type(other)}")
         for key, value in other.data.items():
-            if key == DEGRADED:
-                self.set_degraded(bool(value))
-            elif key == ERRORS:
+            if key in FLAGS:
+                self.set_degraded(bool(value), key)
+            elif key in BY_KIND:
                 for kind, count in value.items():
-                    self.error(kind, count)
+                    self.error(kind, count, key)
             elif isinstance(value, list):
                 self.data.setdefault(key, []).extend(value)
             else:
@@ -66,13 +77,15 @@ class OffloadStats(LMCacheMPConnectorStats):
         for key in COUNTERS:
             if self.data.get(key):
                 summary[key] = self.data[key]
-        if self.data.get(ERRORS):
-            summary[ERRORS] = sum(self.data[ERRORS].values())
-        if DEGRADED in self.data:
-            summary[DEGRADED] = self.data[DEGRADED]
+        for key in BY_KIND:
+            if self.data.get(key):
+                summary[key] = sum(self.data[key].values())
+        for key in FLAGS:
+            if key in self.data:
+                summary[key] = self.data[key]
         return summary
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key) for key in self.data if key != DEGRADED) and (
-            DEGRADED not in self.data
+        return not any(self.data.get(key) for key in self.data if key not in FLAGS) and not any(
+            key in self.data for key in FLAGS
         )

@@ -10,7 +10,15 @@ import logging
 import os
 from typing import Any
 
-from kvops.plugin.errors import KvopsPluginError
+from kvops.core.errors import KvopsPluginError
+from kvops.core.offload.preflight import (
+    check_disk_dir,
+    check_server,
+    choose_transfer_mode,
+    cpu_kv_cache_bytes,
+    fetch_server_config,
+)
+from kvops.core.offload.settings import OffloadSettings
 from kvops.plugin.offload import CONNECTOR_NAME
 from kvops.plugin.offload.inprocess import (
     IN_PROCESS_CONNECTOR,
@@ -18,13 +26,6 @@ from kvops.plugin.offload.inprocess import (
     names_in_process_connector,
     unsupported_reason,
 )
-from kvops.plugin.offload.preflight import (
-    check_disk_dir,
-    check_server,
-    check_shm,
-    fetch_server_config,
-)
-from kvops.plugin.offload.settings import OffloadSettings
 
 logger = logging.getLogger("vllm.plugins.kvops.offload")
 
@@ -115,16 +116,15 @@ def configure(vllm_config: Any, settings: OffloadSettings) -> None:
     block_size = int(vllm_config.cache_config.block_size)
     if settings.disk_path is not None and settings.host in LOCAL_HOSTS:
         check_disk_dir(settings.disk_path, settings.disk_gib)
-    if settings.transfer_mode == "lmcache_driven":
-        check_shm(getattr(vllm_config.cache_config, "kv_cache_memory_bytes", None))
     server = fetch_server_config(settings)
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    settings = resolve_transfer_mode(vllm_config, settings, server.transfer_mode, extra)
     check_server(settings, server, block_size)
     logger.info("kvops offload: LMCache server %s passed the preflight (transfer mode %s, "
                 "chunk size %d)", settings.http_url, settings.transfer_mode, server.chunk_size)
     from kvops.plugin._compat import arm_engine_refusal
 
     arm_engine_refusal()  # LMCache can still die before the engine connects
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
     derived: dict[str, Any] = {
         "lmcache.mp.host": f"tcp://{settings.host}",
         "lmcache.mp.port": settings.port,
@@ -144,6 +144,42 @@ def configure(vllm_config: Any, settings: OffloadSettings) -> None:
     # An offload tier is a cache: a failed load must recompute, not fail the request
     # (vllm/config/kv_transfer.py kv_load_failure_policy defaults to "fail").
     vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
+    from kvops.plugin.offload.canary import install
+
+    install(settings)  # the load-path canary: POST /kvops/offload/check and the periodic check
+
+
+def resolve_transfer_mode(vllm_config: Any, settings: OffloadSettings, server_mode: str,
+                          extra: dict[str, Any]) -> OffloadSettings:
+    """transfer_mode auto -> the mode this server uses, said in one line (and in kvops_info's
+    offload_transfer_mode label, read from the extra config written below). The engine core
+    rebuilds the config from the front end's: a mode already written there is kept (the front
+    end's /dev/shm check decided it)."""
+    decided = extra.get("lmcache.mp.mp_transfer_mode")
+    if settings.transfer_mode == "auto" and decided in ("engine_driven", "lmcache_driven"):
+        return settings.model_copy(update={"transfer_mode": decided})
+    kv_bytes = cpu_kv_cache_bytes(
+        getattr(vllm_config.cache_config, "kv_cache_memory_bytes", None), dict(os.environ))
+    choice = choose_transfer_mode(settings.transfer_mode, server_mode, kv_bytes, _device_type())
+    logger.info("kvops offload: transfer mode %s (%s: %s)", choice.mode, settings.transfer_mode,
+                choice.reason)
+    if choice.mode == "lmcache_driven":
+        _clean_stale_segments()
+    return settings.model_copy(update={"transfer_mode": choice.mode})
+
+
+def _clean_stale_segments() -> None:
+    """Segments of servers that died (kill -9) hold /dev/shm: free them now, and our workers'
+    at exit (waiting a moment for them: a SIGTERM to the group reaches them with us)."""
+    import atexit
+
+    from kvops.core.offload.shm import remove_own_segments_at_exit, remove_stale_segments
+
+    freed = remove_stale_segments()
+    if freed:
+        logger.warning("kvops offload: removed %.2f GiB of stale LMCache KV segments from "
+                       "/dev/shm (servers that did not exit cleanly)", freed / (1 << 30))
+    atexit.register(remove_own_segments_at_exit, os.getpid())
 
 
 def configure_in_process(vllm_config: Any, settings: OffloadSettings) -> None:

@@ -85,3 +85,26 @@ def test_responses_over_the_queue_budget_get_429_with_retry_after(server, tiny_m
         server.url, 'kvops_admission_decisions_total{decision="rejected",reason="queued_requests"}'
     )
     assert rejected == statuses[429]
+
+
+def test_every_generation_route_refuses_a_request_that_can_never_fit(server, tiny_model):
+    """The never-fits 400 on each route that renders a prompt (before: not on
+    /v1/chat/completions/batch nor /generative_scoring); /v1/messages reaches it through chat,
+    /invocations through completions. /v1/systemone renders inside vLLM: tenant budget only."""
+    limit = _limit_tokens(server.url)
+    model = str(tiny_model)
+    chat = [{"role": "user", "content": "hi"}]
+    bodies = {
+        "/v1/completions": {"model": model, "prompt": "hello", "max_tokens": 1000},
+        "/v1/chat/completions": {"model": model, "messages": chat, "max_tokens": 1000},
+        "/v1/chat/completions/batch": {"model": model, "messages": [chat], "max_tokens": 1000},
+        "/v1/messages": {"model": model, "messages": chat, "max_tokens": 1000},
+        "/invocations": {"model": model, "prompt": "hello", "max_tokens": 1000},
+        # One output token, but a prompt longer than a quarter of the cache.
+        "/generative_scoring": {"model": model, "query": [7] * (limit + 10), "items": [[8]],
+                                "label_token_ids": [5, 6]},
+    }
+    for route, body in bodies.items():
+        resp = requests.post(server.url + route, json=body, timeout=60)
+        assert resp.status_code == 400, (route, resp.text)
+        assert f"at most {limit} KV tokens" in resp.text, (route, resp.text)

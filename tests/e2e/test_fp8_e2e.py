@@ -3,7 +3,7 @@ plugin recording K/V, which calibrates), fp8 KV at scale 1.0 and fp8 KV with the
 scales. Oracles: each server's own logged KV capacity, and its teacher-forced logprobs against
 the bf16-KV server's.
 
-Models (kvops.ops.models.kv_scaled): K/V ×1000 saturates e4m3 (max 448) at scale 1.0, K/V
+Models (kvops.ops.fp8.kv_scaled_model): K/V ×1000 saturates e4m3 (max 448) at scale 1.0, K/V
 ×0.001 falls into e4m3's subnormals; both compute the ordinary model's function in bf16.
 """
 
@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 import requests
+from fp8_cpu import needs_fp8_cpu
 
+from kvops.core.fp8.scales import ScalesFile, fingerprint_of_config, read_model_config
 from kvops.ops.bench.fp8 import kv_tokens_from_log
-from kvops.ops.calibrate import CalibrationRequest, collect_scales, synthetic_prompts
-from kvops.ops.fp8 import ScalesFile, fingerprint_of_config, read_model_config
-from kvops.ops.kv_accuracy import Drift, ScoredSequence, drift, score
-from kvops.ops.models.kv_scaled import build_kv_scaled_model
+from kvops.ops.fp8.accuracy import Drift, ScoredSequence, drift, score
+from kvops.ops.fp8.calibrate import CalibrationRequest, collect_scales, synthetic_prompts
+from kvops.ops.fp8.kv_scaled_model import build_kv_scaled_model
 
 pytestmark = pytest.mark.e2e
 
@@ -86,6 +87,7 @@ def ordinary(vllm, tmp_path_factory) -> Fp8Run:
     return _measure(vllm, build_kv_scaled_model(work / "model", 1.0), work)
 
 
+@needs_fp8_cpu
 def test_saturating_kv_calibrated_is_much_closer_to_bf16(saturating: Fp8Run):
     absmax = max(s.k_absmax or 0 for s in saturating.scales.layers.values())
     assert absmax > 4 * 448, "the model must really exceed e4m3's range"
@@ -93,6 +95,7 @@ def test_saturating_kv_calibrated_is_much_closer_to_bf16(saturating: Fp8Run):
     assert saturating.calibrated.top1_agreement > saturating.scale1.top1_agreement
 
 
+@needs_fp8_cpu
 def test_underflowing_kv_calibrated_is_much_closer_to_bf16(underflowing: Fp8Run):
     absmax = max(s.k_absmax or 0 for s in underflowing.scales.layers.values())
     assert absmax < 2.0**-6, "the model's K must sit below e4m3's smallest normal"
@@ -100,22 +103,26 @@ def test_underflowing_kv_calibrated_is_much_closer_to_bf16(underflowing: Fp8Run)
     assert underflowing.calibrated.top1_agreement >= underflowing.scale1.top1_agreement
 
 
+@needs_fp8_cpu
 def test_ordinary_model_is_not_worse_calibrated(ordinary: Fp8Run):
     assert ordinary.calibrated.mean_abs_logprob_delta <= 1.25 * ordinary.scale1.mean_abs_logprob_delta + 0.005
     assert ordinary.calibrated.top1_agreement >= ordinary.scale1.top1_agreement - 0.03
 
 
+@needs_fp8_cpu
 def test_fp8_holds_exactly_twice_the_tokens(saturating: Fp8Run, ordinary: Fp8Run):
     assert saturating.fp8_tokens == 2 * saturating.bf16_tokens
     assert ordinary.fp8_tokens == 2 * ordinary.bf16_tokens
 
 
+@needs_fp8_cpu
 def test_logs_say_which_scales_won(saturating: Fp8Run):
     assert re.search(r"WARNING.*kvops fp8: fp8_e4m3 KV is running with scale 1\.0", saturating.scale1_log)
     assert f"calibrated per-layer scales from {saturating.scales_path}" in saturating.calibrated_log
     assert "running with scale 1.0" not in saturating.calibrated_log
 
 
+@needs_fp8_cpu
 def test_metrics_show_source_and_per_layer_scales(saturating: Fp8Run):
     metrics = saturating.calibrated_metrics
     assert re.search(r"^kvops_fp8_active(\{[^}]*\})? 1\.0$", metrics, re.M), metrics[:3000]
@@ -155,6 +162,7 @@ def _with_checkpoint_scales(run: Fp8Run, out: Path) -> Path:
     return out
 
 
+@needs_fp8_cpu
 def test_checkpoint_scales_win_unless_overridden(vllm, saturating: Fp8Run, tmp_path_factory):
     model = _with_checkpoint_scales(saturating, tmp_path_factory.mktemp("fp8-ckpt") / "model")
     ones = {
@@ -181,8 +189,8 @@ def test_checkpoint_scales_win_unless_overridden(vllm, saturating: Fp8Run, tmp_p
 def test_kvops_calibrate_cli_writes_a_scales_file(tiny_model, tmp_path):
     from typer.testing import CliRunner
 
+    from kvops.core.fp8.scales import load_scales_file
     from kvops.ops.cli.main import app
-    from kvops.ops.fp8 import load_scales_file
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the cache holds keys and values\nhello world you are a helpful assistant\n")

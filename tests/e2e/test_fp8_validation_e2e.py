@@ -10,16 +10,22 @@ import struct
 from pathlib import Path
 
 import pytest
+from fp8_cpu import CPU_RUNS_FP8, VLLM_REFUSAL
 
-from kvops.ops.fp8 import fingerprint_of_config, read_model_config
+from kvops.core.fp8.scales import fingerprint_of_config, read_model_config
 
 pytestmark = pytest.mark.e2e
 
 LEN = ("--max-model-len", "2048")
 FP8 = ("--kv-cache-dtype", "fp8")
+FAKE_FLAGS = "KVOPS_FAKE_CPU_FLAGS"
+# The refusals below come from the plugin in the front end, before any worker runs an fp8
+# kernel. On a CPU without AVX-512/AMX the plugin would refuse them all for the ISA first, so
+# there its CPU check reads an AVX-512 flag (simulated) to reach the rule under test.
+ISA = {} if CPU_RUNS_FP8 else {FAKE_FLAGS: "sse4_2,avx2,avx512f"}
 
 
-def _refusal(vllm, model: Path, *args: str, env: dict[str, str] | None = None) -> str:
+def _refusal(vllm, model: Path, *args: str, env: dict[str, str] | None = ISA) -> str:
     code, log = vllm.start_expecting_failure(model, *LEN, *args, env=env)
     assert code == 2, log[-3000:]
     reasons = [line for line in log.splitlines() if line.startswith("kvops: refusing to start:")]
@@ -44,21 +50,8 @@ def _kv_config(path: Path) -> str:
     return json.dumps({"kvops": {"kv_scales": str(path)}})
 
 
-def test_cpu_without_avx512_or_amx(vllm, tiny_model):
-    # Simulated: every machine that runs this suite has AVX-512 (vLLM's fp8 CPU path needs it),
-    # so the CPU flags the plugin reads are replaced through KVOPS_FAKE_CPU_FLAGS.
-    reason = _refusal(vllm, tiny_model, *FP8, env={"KVOPS_FAKE_CPU_FLAGS": "sse4_2,avx2,fma"})
-    assert "needs x86 with AVX-512 or AMX" in reason
-
-
-def test_head_dim_not_a_multiple_of_32(vllm, tiny_models):
-    model = tiny_models(hidden=320, heads=4, kv_heads=2, head_dim=80)
-    reason = _refusal(vllm, model, *FP8)
-    assert "head_dim % 32 == 0; this model's head_dim is 80" in reason
-
-
-def test_mla_model_on_cpu(vllm, tiny_model, tmp_path):
-    model = tmp_path / "tiny-mla"
+def _mla_model(tiny_model: Path, root: Path) -> Path:
+    model = root / "tiny-mla"
     shutil.copytree(tiny_model, model)
     config = {
         "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
@@ -72,12 +65,11 @@ def test_mla_model_on_cpu(vllm, tiny_model, tmp_path):
         "tie_word_embeddings": False,
     }
     (model / "config.json").write_text(json.dumps(config))
-    reason = _refusal(vllm, model, *FP8)
-    assert "MLA models cannot use fp8 KV on CPU" in reason
+    return model
 
 
-def test_e5m2_with_checkpoint_scales(vllm, tiny_model, tmp_path):
-    model = tmp_path / "tiny-with-scales"
+def _model_with_scales(tiny_model: Path, root: Path) -> Path:
+    model = root / "tiny-with-scales"
     shutil.copytree(tiny_model, model)
     # A second shard that carries per-layer k/v scales, as fp8 checkpoints do.
     header = {}
@@ -91,29 +83,91 @@ def test_e5m2_with_checkpoint_scales(vllm, tiny_model, tmp_path):
     (model / "scales.safetensors").write_bytes(
         struct.pack("<Q", len(raw)) + raw + struct.pack("<f", 0.5) * len(header)
     )
-    reason = _refusal(vllm, model, "--kv-cache-dtype", "fp8_e5m2")
+    return model
+
+
+def _scales_file(root: Path, name: str, doc: dict[str, object]) -> Path:
+    path = root / name
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.fixture(scope="module")
+def inputs(vllm, tiny_model, tiny_models, tmp_path_factory) -> dict[str, Path]:
+    """Every refusal's model and scales file, built once; the refusals themselves then start
+    three at a time (VllmServers.refusals_ahead) and each test reads its own outcome."""
+    root = tmp_path_factory.mktemp("fp8-refusals")
+    other = tiny_models(layers=2)
+    made = {
+        "head_dim_80": tiny_models(hidden=320, heads=4, kv_heads=2, head_dim=80),
+        "mla": _mla_model(tiny_model, root),
+        "with_scales": _model_with_scales(tiny_model, root),
+        "other_scales": _scales_file(root, "other-scales.json", _scales_doc(other)),
+        "zero": _scales_file(root, "zero-scales.json", _scales_doc(tiny_model, k_scale=0.0)),
+        "nan": _scales_file(root, "nan-scales.json", _scales_doc(tiny_model, k_scale=float("nan"))),
+        "scales": _scales_file(root, "scales.json", _scales_doc(tiny_model)),
+    }
+    starts = [
+        (tiny_model, (*LEN, *FP8), {FAKE_FLAGS: "sse4_2,avx2,fma"} if CPU_RUNS_FP8 else None),
+        (made["head_dim_80"], (*LEN, *FP8), ISA),
+        (made["mla"], (*LEN, *FP8), ISA),
+        (made["with_scales"], (*LEN, "--kv-cache-dtype", "fp8_e5m2"), ISA),
+        *[(tiny_model, (*LEN, *FP8, "--additional-config", _kv_config(made[k])), ISA)
+          for k in ("other_scales", "zero", "nan")],
+        (tiny_model, (*LEN, "--additional-config", _kv_config(made["scales"])), ISA),
+    ]
+    if not CPU_RUNS_FP8:
+        starts.append((tiny_model, (*LEN, *FP8), {"VLLM_PLUGINS": "none"}))
+    vllm.refusals_ahead(starts)
+    return made
+
+
+def test_cpu_without_avx512_or_amx(vllm, tiny_model, inputs):
+    # Real on a CPU without AVX-512/AMX; simulated (the flags the plugin reads replaced) on one
+    # that has them.
+    env = {FAKE_FLAGS: "sse4_2,avx2,fma"} if CPU_RUNS_FP8 else None
+    reason = _refusal(vllm, tiny_model, *FP8, env=env)
+    assert "needs x86 with AVX-512 or AMX" in reason
+
+
+@pytest.mark.skipif(CPU_RUNS_FP8, reason="this CPU has AVX-512/AMX: vLLM serves fp8 KV here "
+                    "(tests/e2e/test_fp8_e2e.py runs it)")
+def test_vllm_alone_refuses_fp8_on_this_cpu(vllm, tiny_model, inputs):
+    """The oracle for the plugin's refusal: unmodified vLLM cannot serve fp8 KV on this CPU
+    either; it fails later, in its worker, after loading the model."""
+    code, log = vllm.start_expecting_failure(tiny_model, *LEN, *FP8, env={"VLLM_PLUGINS": "none"})
+    assert code != 0
+    assert VLLM_REFUSAL in log, log[-3000:]
+    assert "kvops: refusing to start" not in log
+
+
+def test_head_dim_not_a_multiple_of_32(vllm, inputs):
+    reason = _refusal(vllm, inputs["head_dim_80"], *FP8)
+    assert "head_dim % 32 == 0; this model's head_dim is 80" in reason
+
+
+def test_mla_model_on_cpu(vllm, inputs):
+    reason = _refusal(vllm, inputs["mla"], *FP8)
+    assert "MLA models cannot use fp8 KV on CPU" in reason
+
+
+def test_e5m2_with_checkpoint_scales(vllm, inputs):
+    reason = _refusal(vllm, inputs["with_scales"], "--kv-cache-dtype", "fp8_e5m2")
     assert "fp8_e5m2 with a checkpoint that carries k/v scales" in reason
     assert "use --kv-cache-dtype fp8_e4m3" in reason
 
 
-def test_scales_file_of_another_model(vllm, tiny_model, tiny_models, tmp_path):
-    other = tiny_models(layers=2)
-    path = tmp_path / "other-scales.json"
-    path.write_text(json.dumps(_scales_doc(other)))
-    reason = _refusal(vllm, tiny_model, *FP8, "--additional-config", _kv_config(path))
+def test_scales_file_of_another_model(vllm, tiny_model, inputs):
+    reason = _refusal(vllm, tiny_model, *FP8, "--additional-config", _kv_config(inputs["other_scales"]))
     assert "was calibrated for another model (num_layers is 2 in the scales file but 4" in reason
 
 
-@pytest.mark.parametrize("bad", [0.0, float("nan")], ids=["zero", "nan"])
-def test_non_positive_or_non_finite_scale(vllm, tiny_model, tmp_path, bad):
-    path = tmp_path / "bad-scales.json"
-    path.write_text(json.dumps(_scales_doc(tiny_model, k_scale=bad)))
-    reason = _refusal(vllm, tiny_model, *FP8, "--additional-config", _kv_config(path))
+@pytest.mark.parametrize("bad", ["zero", "nan"])
+def test_non_positive_or_non_finite_scale(vllm, tiny_model, inputs, bad):
+    reason = _refusal(vllm, tiny_model, *FP8, "--additional-config", _kv_config(inputs[bad]))
     assert "layers.model.layers.0.self_attn.attn.k_scale: Value error, must be a positive finite" in reason
 
 
-def test_scales_without_fp8_kv(vllm, tiny_model, tmp_path):
-    path = tmp_path / "scales.json"
-    path.write_text(json.dumps(_scales_doc(tiny_model)))
-    reason = _refusal(vllm, tiny_model, "--additional-config", _kv_config(path))
+def test_scales_without_fp8_kv(vllm, tiny_model, inputs):
+    reason = _refusal(vllm, tiny_model, "--additional-config", _kv_config(inputs["scales"]))
     assert "kv_scales is set but --kv-cache-dtype is 'auto'" in reason

@@ -12,9 +12,11 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,9 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvops.ops.launch import ManagedServer, free_port
+from kvops.core.proc import free_port
+from kvops.ops.bench import greedy
+from kvops.ops.launch import ManagedServer
 
 pytestmark = pytest.mark.e2e
 
@@ -54,24 +58,28 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 120) -> None:
+def wait_for(what: str | Callable[[], str], check: Callable[[], bool], timeout_s: float = 120) -> None:
+    """Poll ``check``; fail naming ``what`` (a callable: described at the time of failure)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if check():
             return
         time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
 
 
 class Lmcache:
     """`kvops offload serve` with one kvops.yaml; restartable on the same ports and directory."""
 
-    def __init__(self, root: Path, **overrides: object) -> None:
+    def __init__(self, root: Path, disk: Path | None = None, **overrides: object) -> None:
         self.root = root
-        self.disk = root / "l2"
+        self.disk = disk or root / "l2"
         self.settings = {
             "port": free_port(), "http_port": free_port(), "l1_gib": 0.25,
-            "disk_path": str(self.disk), "disk_gib": DISK_GIB, "heartbeat_s": 1.0, **overrides,
+            "disk_path": str(self.disk), "disk_gib": DISK_GIB, "heartbeat_s": 1.0,
+            # the start-up canary only (it runs before the server answers): a periodic one
+            # would add hits to the counters the tests compare before and after a request
+            "canary_interval_s": 3600, **overrides,
         }
         self.config = root / "kvops.yaml"
         self.config.write_text(json.dumps({"offload": self.settings}))
@@ -93,9 +101,12 @@ class Lmcache:
         return self.serve
 
     def child_pid(self) -> int:
-        """The lmcache server's pid, from serve's ready line."""
+        """The lmcache server's pid, from serve's ready line. LMCache answers its health check a
+        moment before serve prints that line (CI once read the log in between)."""
         assert self.serve is not None
-        text = self.serve.log_path.read_text()
+        deadline = time.monotonic() + 60
+        while "(pid " not in (text := self.serve.log_path.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
         return int(text.split("(pid ")[-1].split(")")[0])
 
     def stop(self) -> None:
@@ -164,6 +175,24 @@ def test_bad_offload_setup_refuses_to_start_with_one_line(vllm, tiny_model, lmca
     assert "Traceback" not in log
 
 
+def test_the_greedy_oracle_tells_a_misplaced_block_from_a_tie(vllm, tiny_model, stock_outputs):
+    """The oracle for outputs under load (ops/bench/greedy.py), on the stock server: its own
+    greedy outputs score 0.0 at every token, and the greedy output of a prompt whose third
+    128-token block was swapped for another prompt's (what a misplaced KV block would give)
+    departs from greedy by more than a tie."""
+    stock = vllm(tiny_model, "--max-model-len", "2048", env={"VLLM_PLUGINS": "none"})
+    seeds = range(100, 108)
+    departed = 0
+    for seed in seeds:
+        prompt = token_prompt(seed)
+        own = greedy.complete(stock.url, str(tiny_model), prompt, 8)
+        assert greedy.gaps(stock.url, str(tiny_model), prompt, own.token_ids) == [0.0] * 8
+        swapped = prompt[:256] + token_prompt(seed + 50_000)[256:384] + prompt[384:]
+        misplaced = greedy.complete(stock.url, str(tiny_model), swapped, 8)
+        departed += greedy.departs(greedy.gaps(stock.url, str(tiny_model), prompt, misplaced.token_ids)) is not None
+    assert departed >= 7, f"only {departed} of {len(seeds)} misplaced blocks departed from greedy"
+
+
 def test_evicted_prefix_is_served_from_l1_with_identical_output(
     offload_vllm, tiny_model, lmcache, stock_outputs
 ):
@@ -184,6 +213,44 @@ def test_evicted_prefix_is_served_from_l1_with_identical_output(
     assert hit["choices"][0]["text"] == cold["choices"][0]["text"] == stock_outputs[1]
     wait_for("kvops_offload_loaded_bytes_total", lambda: metric(
         offload_vllm.url, "kvops_offload_loaded_bytes_total") >= CHUNK_TOKENS * 2048)
+
+
+def offload_check(url: str) -> subprocess.CompletedProcess[str]:
+    kvops = str(Path(sys.executable).with_name("kvops"))
+    return subprocess.run([kvops, "offload", "check", "--url", url, "--json"],
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def check_while_users_run(server: ManagedServer, model: Path, stock: dict[int, str]
+                          ) -> subprocess.CompletedProcess[str]:
+    """`kvops offload check` while user requests run beside it; every user answer must be the
+    greedy output of a server without the plugin. The users send prompt 1 only: the tests after
+    this one count the stores of prompts 2 and 3 from their first request on."""
+    with ThreadPoolExecutor(3) as pool:
+        users = [pool.submit(complete, server.url, model, token_prompt(1)) for _ in range(3)]
+        checked = offload_check(server.url)
+        answers = [future.result()["choices"][0]["text"] for future in users]
+    assert answers == [stock[1]] * 3
+    return checked
+
+
+def test_load_path_canary_passes_on_a_healthy_server_beside_user_requests(
+    offload_vllm, tiny_model, stock_outputs
+):
+    """The canary ran at start-up (gauges set) and on demand: vLLM's own cached-token count of
+    its reading request says the connector loaded the one-chunk prefix's tail (256 tokens: its
+    cache serves 128, one token is recomputed, 127 come from LMCache) and the checksums match."""
+    wait_for("the start-up canary", lambda: metric(
+        offload_vllm.url, "kvops_offload_load_path_last_check_timestamp_seconds") > 0)
+    assert metric(offload_vllm.url, "kvops_offload_load_path_ok") == 1
+
+    checked = check_while_users_run(offload_vllm, tiny_model, stock_outputs)
+
+    assert checked.returncode == 0, checked.stderr
+    verdict = json.loads(checked.stdout)
+    assert verdict["ok"] is True
+    assert verdict["loaded_tokens"] == 127
+    assert "checksums match" in verdict["reason"]
 
 
 def test_prefix_is_served_from_disk_after_l1_is_cleared(offload_vllm, tiny_model, lmcache, stock_outputs):
@@ -226,6 +293,30 @@ def test_corrupt_cache_file_is_a_miss_never_wrong_kv(offload_vllm, tiny_model, l
         offload_vllm.url, "kvops_offload_errors_total", kind="corrupt") - corrupt == 4)
 
 
+def test_disk_tier_stays_under_its_cap_under_distinct_prefixes(offload_vllm, tiny_model, lmcache):
+    """LMCache evicts asynchronously (a watermark checked by a background loop), so a burst of
+    stores can overshoot for a moment; once the stores are done the tier is back under its cap.
+    Runs before the LMCache kill below: a restarted LMCache 0.5.6 serves the files its
+    predecessor wrote but does not count them (it stopped evicting at 0.98 of the cap while they
+    made the directory 1.04 of it; CI, stop 19)."""
+    cap_bytes = DISK_GIB * (1 << 30)
+    stored = metric(lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total")
+    for seed in range(100, 148):  # 48 prefixes x 2 chunks x 512 KiB = 3x the cap
+        complete(offload_vllm.url, tiny_model, token_prompt(seed), 1)
+    wait_for("every store to finish", lambda: metric(
+        lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total") >= stored + 96)
+    assert metric(lmcache.url, "lmcache_mp_l2_evicted_objects_chunks_total") > 0
+
+    def on_disk() -> int:
+        return sum(f.stat().st_size for f in lmcache.disk.rglob("*") if f.is_file())
+
+    wait_for(lambda: f"the disk tier to be under its cap ({cap_bytes} B): {on_disk()} B in "
+                     f"{sum(1 for f in lmcache.disk.rglob('*') if f.is_file())} files, LMCache "
+                     f"counts {metric(lmcache.url, 'lmcache_mp_l2_usage_bytes'):.0f} B",
+             lambda: 0 < on_disk() <= cap_bytes, timeout_s=120)
+    assert metric(lmcache.url, "lmcache_mp_l2_usage_bytes") <= cap_bytes
+
+
 def test_lmcache_killed_while_serving_degrades_then_recovers_from_disk(
     offload_vllm, tiny_model, lmcache, stock_outputs
 ):
@@ -259,24 +350,6 @@ def test_lmcache_killed_while_serving_degrades_then_recovers_from_disk(
     assert hit["choices"][0]["text"] == stock_outputs[2]
 
 
-def test_disk_tier_stays_under_its_cap_under_distinct_prefixes(offload_vllm, tiny_model, lmcache):
-    """LMCache evicts asynchronously (a watermark checked by a background loop), so a burst of
-    stores can overshoot for a moment; once the stores are done the tier is back under its cap."""
-    cap_bytes = DISK_GIB * (1 << 30)
-    stored = metric(lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total")
-    for seed in range(100, 148):  # 48 prefixes x 2 chunks x 512 KiB = 3x the cap
-        complete(offload_vllm.url, tiny_model, token_prompt(seed), 1)
-    wait_for("every store to finish", lambda: metric(
-        lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total") >= stored + 96)
-    assert metric(lmcache.url, "lmcache_mp_l2_evicted_objects_chunks_total") > 0
-
-    def on_disk() -> int:
-        return sum(f.stat().st_size for f in lmcache.disk.rglob("*") if f.is_file())
-
-    wait_for("the disk tier to be under its cap", lambda: 0 < on_disk() <= cap_bytes, timeout_s=60)
-    assert metric(lmcache.url, "lmcache_mp_l2_usage_bytes") <= cap_bytes
-
-
 def test_offload_serve_stops_cleanly_on_sigterm(lmcache):
     serve = lmcache.serve
     assert serve is not None
@@ -286,3 +359,40 @@ def test_offload_serve_stops_cleanly_on_sigterm(lmcache):
     assert serve.process.wait(timeout=60) == 0
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)
+
+
+@pytest.fixture(scope="module")
+def storing_only_vllm(vllm, tiny_model, tmp_path_factory: pytest.TempPathFactory
+                      ) -> Iterator[ManagedServer]:
+    """A real connector that stores but cannot load: LMCache's L1 is smaller than one chunk
+    (400 KiB < 256 tokens x 2 KiB) and there is no disk tier, so every store is dropped."""
+    server = Lmcache(tmp_path_factory.mktemp("offload-tiny-l1"), l1_gib=0.0004,
+                     disk_path=None, disk_gib=None)
+    server.start()
+    yield vllm(tiny_model, "--max-model-len", "2048",
+               "--additional-config", server.vllm_settings())
+    server.stop()
+
+
+def test_load_path_canary_fails_when_the_connector_stores_but_cannot_load(
+    storing_only_vllm, tiny_model, stock_outputs
+):
+    wait_for("the start-up canary", lambda: metric(
+        storing_only_vllm.url, "kvops_offload_load_path_last_check_timestamp_seconds") > 0)
+    assert metric(storing_only_vllm.url, "kvops_offload_load_path_ok") == 0
+
+    checked = check_while_users_run(storing_only_vllm, tiny_model, stock_outputs)
+
+    assert checked.returncode == 3, checked.stderr
+    assert json.loads(checked.stdout)["loaded_tokens"] == 0
+    assert "loads do not happen" in checked.stderr
+    assert "Traceback" not in checked.stderr
+
+    # the SRE's first command names it too, though LMCache is up and nothing is degraded
+    kvops = str(Path(sys.executable).with_name("kvops"))
+    diagnosed = subprocess.run([kvops, "diagnose", "--url", storing_only_vllm.url, "--window", "1",
+                                "--json"], capture_output=True, text=True, timeout=120, check=False)
+    assert diagnosed.returncode == 3, diagnosed.stderr
+    causes = [(v["problem"], v["cause"]) for v in json.loads(diagnosed.stdout)["verdicts"]]
+    assert ("offload", "load-path") in causes, causes
+    assert ("offload", "unreachable") not in causes

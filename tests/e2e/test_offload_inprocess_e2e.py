@@ -15,6 +15,8 @@ import random
 import pytest
 import requests
 
+from kvops.core.prom import samples_by_name
+
 pytestmark = pytest.mark.e2e
 
 LEN = ("--max-model-len", "2048")
@@ -69,4 +71,6 @@ def test_in_process_connector_without_kvops_settings_starts_degraded_with_a_warn
     assert len(ours) == 1, log[-3000:]  # once, although the engine core rebuilds the config
     assert "would run degraded" in ours[0]
     metrics = requests.get(server.url + "/metrics", timeout=30).text
-    assert "kvops_offload_in_process_degraded 1.0" in metrics.splitlines()
+    by_name = samples_by_name(metrics)  # labelled with the model as vLLM labels its own series
+    served = {labels["model_name"] for labels, _ in by_name["vllm:num_requests_running"]}
+    assert by_name["kvops_offload_in_process_degraded"] == [({"model_name": m}, 1.0) for m in served]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from fp8_cpu import needs_fp8_cpu
 from typer.testing import CliRunner
 
 from kvops.ops.capacity.verify import parse_log, parse_metrics
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.e2e
 # whole blocks and 3000 is not a multiple of the CPU block size 128, so floor and cdiv both show.
 CASES = [
     ({}, "auto", (1 << 30) + 12345, 2048),
-    ({}, "fp8", (1 << 30) + 12345, 2048),
+    pytest.param({}, "fp8", (1 << 30) + 12345, 2048, marks=needs_fp8_cpu),
     ({"layers": 6, "hidden": 128, "heads": 4, "kv_heads": 4, "head_dim": 32}, "auto", 600_000_000, 3000),
 ]
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from fp8_cpu import needs_fp8_cpu
 from runbooks.markup import Check, missing_lines, pages
 from runbooks.stack import Stack
-from runbooks.states import STATE_ORDER
+from runbooks.states import STATE_ORDER, state
+
+from .starved import RERUNS, client_bound_output, note_rerun
 
 pytestmark = pytest.mark.e2e
 
@@ -20,6 +23,9 @@ CHECKS: list[Check] = sorted(
     (c for p in pages() for c in p.checks),
     key=lambda c: (STATE_ORDER[c.state], c.page, c.line),
 )
+# States that serve fp8 KV exist only on a CPU where vLLM runs it.
+PARAMS = [pytest.param(c, id=c.id, marks=needs_fp8_cpu if "fp8" in state(c.state).args else ())
+          for c in CHECKS]
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +35,15 @@ def stack(vllm, tiny_models, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     stack.close()
 
 
-@pytest.mark.parametrize("check", CHECKS, ids=[c.id for c in CHECKS])
+@pytest.mark.parametrize("check", PARAMS)
 def test_runbook_command(stack: Stack, check: Check) -> None:
     stack.enter(check.state)
     result = stack.run(check.command, stack.workdir(check.page))
+    for _ in range(RERUNS):
+        if not client_bound_output(result.output) or client_bound_output("\n".join(check.expected)):
+            break
+        note_rerun(result.output)  # the verdict says the client measured nothing (starved.py)
+        result = stack.run(check.command, stack.workdir(check.page))
     where = f"{check.page}:{check.line} in state {check.state}:\n$ {check.command}\n{result.output}"
     assert result.exit_code == check.exit_code, f"exit {result.exit_code}, page says {check.exit_code}: {where}"
     missing = missing_lines(check.expected, result.output)

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
+from kvops.core.prom import MetricsSample
+from kvops.core.stats import bootstrap_relative_change, row_percentile
 from kvops.loadtest.analysis import kv, prefix, ttft
-from kvops.loadtest.analysis.stats import bootstrap_relative_change, percentile
-from kvops.loadtest.metrics import MetricsSample
+from kvops.loadtest.config import KvExhaustionConfig, TtftRegressionConfig
 from kvops.loadtest.records import RequestRecord
-from kvops.loadtest.scenarios.config import KvExhaustionConfig, TtftRegressionConfig
 
 
 def _rec(sent: float, ttft_s: float = 0.1, group: str | None = "0", **kw) -> RequestRecord:
@@ -95,14 +95,31 @@ def test_predicted_concurrency_from_cache_config():
     assert kv.predicted_concurrency(sample, 465)["predicted_max_concurrency"] == 2
 
 
+def test_the_verdicts_knee_is_the_one_the_ramp_was_sized_with():
+    # a dataset whose bodies ask 400 output tokens, not the workload's default: the ramp sized
+    # itself from the bodies (900 tokens: 8 blocks of 128), so the verdict must predict with it
+    cfg = KvExhaustionConfig(steps=[1, 2], step_s=10)
+    cache = {"num_gpu_blocks": "81", "block_size": "128"}
+    samples = [MetricsSample(t=float(t), values={"running": 1.0, "waiting": 0.0, "kv_usage": 0.1},
+                             cache_config=cache) for t in range(0, 21)]
+    records = [_rec(float(t), prompt_tokens=500) for t in range(0, 20)]
+    ramp = {"sized_from": "server", "steps": [1, 2], "tokens_per_request": 900.0,
+            "predicted_knee_users": 10, "wanted_top_users": 20}
+    _, [verdict] = kv.analyse(cfg, records, samples, 0.0, ramp=ramp)
+    assert verdict.evidence["predicted_max_concurrency"] == 80 // 8
+    assert verdict.evidence["tokens_per_request"] == 900.0
+    _, [operator] = kv.analyse(cfg, records, samples, 0.0)  # steps the operator gave: as measured
+    assert operator.evidence["tokens_per_request"] == 500 + cfg.workload.max_tokens
+
+
 def test_bootstrap_ci_brackets_a_known_shift():
     rng = random.Random(1)
     base = [rng.gauss(1.0, 0.05) for _ in range(200)]
     cand = [x * 1.5 for x in base]
-    point, low, high = bootstrap_relative_change(base, cand, lambda xs: percentile(xs, 50))
+    point, low, high = bootstrap_relative_change(base, cand, row_percentile(50))
     assert point == pytest.approx(0.5, abs=1e-9)
     assert low < 0.5 < high or low == pytest.approx(0.5)
-    same = bootstrap_relative_change(base, base, lambda xs: percentile(xs, 50))
+    same = bootstrap_relative_change(base, base, row_percentile(50))
     assert same is not None
     assert same[1] <= 0 <= same[2]
 

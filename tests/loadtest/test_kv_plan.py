@@ -1,6 +1,6 @@
 """kv-exhaustion's knee beside the planner: a `kvops kv-capacity --json` document read back by
 the load test must give the per-request blocks the planner itself counts
-(kvops.ops.capacity.plan.blocks_for_tokens), for a full-attention and a sliding-window model."""
+(kvops.ops.capacity.plan.request_blocks), for a full-attention and a sliding-window model."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from kvops.core.errors import BadInputError
 from kvops.loadtest.analysis import kv
 from kvops.ops.capacity.allocator import SizingFlags, kv_capacity
 from kvops.ops.capacity.model import load_config, read_model
-from kvops.ops.capacity.plan import blocks_for_tokens
+from kvops.ops.capacity.plan import request_blocks
 from kvops.ops.cli.main import app
-from kvops.ops.errors import BadInputError
 
 FIXTURES = Path(__file__).parents[2] / "../shared/fixtures/model-configs"
 KV_BYTES = 8 << 30
@@ -35,8 +35,8 @@ def test_plan_blocks_per_request_match_the_planner(tmp_path, name, tokens):
     flags = SizingFlags(max_model_len=MAX_LEN)
     cap = kv_capacity(read_model(load_config(FIXTURES / name)), KV_BYTES, flags)
     got = kv.planned_concurrency(expected, float(tokens))
-    assert got["plan_blocks_per_request"] == blocks_for_tokens(cap, flags, tokens)
-    assert got["plan_predicted_max_concurrency"] == (cap.num_blocks - 1) // blocks_for_tokens(cap, flags, tokens)
+    assert got["plan_blocks_per_request"] == request_blocks(cap, flags, tokens)
+    assert got["plan_predicted_max_concurrency"] == (cap.num_blocks - 1) // request_blocks(cap, flags, tokens)
 
 
 def test_plan_json_brings_max_num_seqs(tmp_path):

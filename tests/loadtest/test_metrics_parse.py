@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvops.loadtest.metrics import delta, hist_mean, parse_metrics, prefix_caching_enabled
+from kvops.core.prom import delta, hist_mean, parse_metrics, prefix_caching_enabled
 
 
 def _page(usage_name: str, prefix: str, engines: int = 2) -> str:
@@ -55,7 +55,7 @@ def test_deltas_and_histogram_means():
 
 
 def test_bucket_quantile_interpolates_inside_the_bucket():
-    from kvops.loadtest.metrics import bucket_quantile
+    from kvops.core.prom import bucket_quantile
 
     before = parse_metrics(_page("vllm:kv_cache_usage_perc", "", engines=1), t=0.0)
     after = parse_metrics(_page("vllm:kv_cache_usage_perc", "", engines=2), t=1.0)

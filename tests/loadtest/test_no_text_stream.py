@@ -11,7 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvops.ops.launch import ManagedServer, free_port
+from kvops.core.proc import free_port
+from kvops.ops.launch import ManagedServer
 
 HERE = Path(__file__).parent
 EVENTS = 6

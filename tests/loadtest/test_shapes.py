@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvops.loadtest.scenarios.config import KvExhaustionConfig, apply_overrides, doubling_steps
+from kvops.loadtest.config import KvExhaustionConfig, apply_overrides, doubling_steps
 from kvops.loadtest.shapes.poisson import ArrivalSchedule
 
 

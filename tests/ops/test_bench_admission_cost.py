@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvops.ops.bench.admission_cost import StepShape, front_door_cost, scheduler_step_cost
+from kvops.ops.bench.admission_cost import (
+    StepShape,
+    front_door_cost,
+    front_door_request_cost,
+    scheduler_step_cost,
+)
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 
 
@@ -38,3 +43,11 @@ def test_front_door_costs_are_reported_per_call():
     assert cost["running"] == 8
     assert cost["on_step_us"] > 0
     assert cost["queue_walk_us"] > 0
+
+
+def test_front_door_cost_per_request_is_reported_for_tracked_and_walked_states():
+    tracked = front_door_request_cost(50, requests=200)
+    walked = front_door_request_cost(50, requests=20, tracked=False)
+    assert tracked["in_flight"] == walked["in_flight"] == 50
+    assert tracked["us_per_request"] > 0
+    assert walked["us_per_request"] > 0

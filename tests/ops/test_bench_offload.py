@@ -1,10 +1,22 @@
-"""The offload bench's miss overhead: per-block ratios of ABBA rounds and their spread."""
+"""The offload bench's JSON without a server: miss overhead from ABBA rounds and its spread, the
+default variant's contract keys on top, both modes side by side, the tuning table's verdicts."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvops.ops.bench.offload import miss_block_ratios, spread
+from kvops.ops.bench.offload_report import (
+    Knob,
+    Measured,
+    assemble,
+    miss_block_ratios,
+    spread,
+    variant_result,
+)
+
+CONTRACT_KEYS = {"prompt_tokens", "l1_ttft_ratio", "disk_ttft_ratio", "miss_overhead_ratio",
+                 "copy_fraction_of_memcpy", "outputs_identical", "kv_bytes_per_token",
+                 "hidden_size"}  # DESIGN.md: kvops bench offload --json
 
 
 def test_a_drift_linear_within_a_block_cancels():
@@ -20,3 +32,73 @@ def test_a_drift_linear_within_a_block_cancels():
 def test_spread_orders_the_blocks():
     assert spread([0.3, -0.1, 0.1, 0.2]) == pytest.approx(
         {"min": -0.1, "q1": 0.05, "q3": 0.225, "max": 0.3})
+
+
+def _measured(mode: str, l1: float, miss: float, load_gb_s: float = 1.0,
+              text: str = "w5 w6") -> Measured:
+    """Three prompts, cold 2 s each, L1 hits at ``l1`` of cold (+-1%), disk hits at 0.1; the
+    no-connector side 1 s per miss round, offload ``1 + miss`` (+-1% per block)."""
+    cold = [(2.0, text)] * 3
+    hits = [(2.0 * l1 * f, text) for f in (0.99, 1.0, 1.01)]
+    misses = {"baseline": [1.0] * 8,
+              "offload": [(1 + miss) * f for f in (0.99, 0.99, 1.0, 1.0, 1.0, 1.0, 1.01, 1.01)]}
+    return Measured(transfer_mode=mode, runs={"cold": cold, "l1": hits, "disk": [(0.2, text)] * 3},
+                    baseline=[(1.9, "w5 w6")] * 3, misses=misses, hits={"l1": 6144.0, "disk": 6144.0},
+                    load_gb_per_s=load_gb_s, store_gb_per_s=0.5)
+
+
+def _report(default: Measured, other: Measured, tuned: list[tuple[Knob, Measured]]) -> dict:
+    results = {m.transfer_mode: variant_result(m, memcpy_gb_per_s=10.0) for m in (default, other)}
+    context = {"prompt_tokens": 2048, "kv_bytes_per_token": 32768, "hidden_size": 1024,
+               "transfer_mode_setting": "auto"}
+    rows = [(knob, variant_result(m, memcpy_gb_per_s=10.0)) for knob, m in tuned]
+    return assemble(results[default.transfer_mode], results, rows, context)
+
+
+def test_the_default_variant_gives_the_contract_keys_and_both_modes_sit_side_by_side():
+    report = _report(_measured("lmcache_driven", l1=0.05, miss=0.02, load_gb_s=1.5),
+                     _measured("engine_driven", l1=0.25, miss=0.20, load_gb_s=0.1), [])
+    assert CONTRACT_KEYS <= report.keys()
+    assert report["transfer_mode"] == "lmcache_driven"
+    assert report["transfer_mode_setting"] == "auto"
+    assert report["l1_ttft_ratio"] == pytest.approx(0.05)
+    assert report["disk_ttft_ratio"] == pytest.approx(0.1)
+    assert report["miss_overhead_ratio"] == pytest.approx(0.02, abs=0.011)
+    assert report["copy_fraction_of_memcpy"] == pytest.approx(0.15)
+    assert report["outputs_identical"] is True
+    assert report["store_fraction_of_memcpy"] is None  # lmcache_driven: the step is no copy
+    modes = report["modes"]
+    assert set(modes) == {"lmcache_driven", "engine_driven"}
+    assert modes["engine_driven"]["l1_ttft_ratio"] == pytest.approx(0.25)
+    assert modes["engine_driven"]["miss_overhead_ratio"] == pytest.approx(0.20, abs=0.013)
+    assert modes["engine_driven"]["store_fraction_of_memcpy"] == pytest.approx(0.05)
+    assert modes["lmcache_driven"]["l1_ttft_ratio"] == report["l1_ttft_ratio"]
+    assert report["tuning"] == []
+
+
+def test_outputs_differing_from_the_no_connector_server_are_reported():
+    report = _report(_measured("lmcache_driven", 0.05, 0.02, text="w5 w7"),
+                     _measured("engine_driven", 0.25, 0.2), [])
+    assert report["outputs_identical"] is False
+    assert report["modes"]["engine_driven"]["outputs_identical"] is True
+
+
+def test_a_knob_is_judged_against_the_default_measured_in_the_same_run():
+    default = _measured("lmcache_driven", l1=0.07, miss=0.15)
+    checksums_off = Knob("verify_kv", False, True, "bench only")
+    bigger_chunks = Knob("chunk_size", 512, 256, "")
+    noisy = Knob("chunk_size", 128, 256, "")
+    report = _report(default, _measured("engine_driven", 0.25, 0.2), [
+        (checksums_off, _measured("lmcache_driven", l1=0.04, miss=0.03)),
+        (bigger_chunks, _measured("lmcache_driven", l1=0.10, miss=0.15)),
+        (noisy, _measured("lmcache_driven", l1=0.0705, miss=0.152)),
+    ])
+    off, chunks, within = report["tuning"]
+    assert (off["knob"], off["value"], off["default"]) == ("verify_kv", False, True)
+    assert off["miss_overhead_ratio"] == pytest.approx(0.03, abs=0.011)
+    assert off["delta_vs_default"]["miss_overhead_ratio"] == pytest.approx(-0.12, abs=0.02)
+    assert off["delta_vs_default"]["l1_ttft_ratio"] == pytest.approx(-0.03)
+    assert off["effect"] == "helps"
+    assert chunks["effect"] == "hurts"  # L1 hit 0.07 -> 0.10, miss unchanged
+    assert within["effect"] == "no clear effect"  # moves inside the variants' own spread
+    assert report["miss_overhead_ratio"] == pytest.approx(0.15, abs=0.012)  # top level: default

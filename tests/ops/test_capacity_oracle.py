@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from kvops.core.errors import BadInputError
 from kvops.ops.capacity.allocator import SizingFlags, kv_capacity
 from kvops.ops.capacity.model import read_model
-from kvops.ops.errors import BadInputError
 
 FIXTURES = Path(__file__).parents[2] / "../shared/fixtures/model-configs"
 GIB = 1 << 30

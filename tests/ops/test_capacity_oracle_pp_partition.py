@@ -14,10 +14,10 @@ import pytest
 from test_capacity_oracle import FIXTURES, GIB, Oracle, run_pp, synthetic_configs
 from typer.testing import CliRunner
 
+from kvops.core.errors import BadInputError
 from kvops.ops.capacity.allocator import SizingFlags, kv_capacity, parse_pp_layer_partition
 from kvops.ops.capacity.model import read_model
 from kvops.ops.cli.main import app
-from kvops.ops.errors import BadInputError
 
 Result = tuple[int, int, float] | None
 

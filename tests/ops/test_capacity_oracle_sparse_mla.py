@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 from test_capacity_oracle import GIB, Oracle
 
+from kvops.core.errors import BadInputError
 from kvops.ops.capacity.allocator import SizingFlags, kv_capacity
 from kvops.ops.capacity.indexer import has_indexer
 from kvops.ops.capacity.model import read_model
-from kvops.ops.errors import BadInputError
 
 Result = tuple[int, int, float] | None
 

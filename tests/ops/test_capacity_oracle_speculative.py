@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from test_capacity_oracle import FIXTURES, GIB, Oracle, synthetic_configs
 
+from kvops.core.errors import BadInputError
 from kvops.ops.capacity.allocator import SizingFlags, kv_capacity
 from kvops.ops.capacity.model import read_model
-from kvops.ops.errors import BadInputError
 
 Result = tuple[int, int, float] | None
 

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from kvops.core.errors import BadInputError
+from kvops.core.settings import parse_settings
 from kvops.ops.cli.main import app
-from kvops.ops.errors import BadInputError
-from kvops.plugin.settings import parse_settings
 
 FIXTURES = Path(__file__).parents[2] / "../shared/fixtures/model-configs"
 LLAMA_8B = FIXTURES / "meta-llama--Meta-Llama-3.1-8B.json"
@@ -198,7 +198,7 @@ def test_offload_sizes_from_the_prefix_working_set() -> None:
     assert off["lmcache_disk_gib"] is None
     capped = plan("--config", str(LLAMA_8B), "--gpu", "H100", "--max-model-len", "8192",
                   "--distinct-prefixes", "100", "--prefix-tokens", "2000", "--host-memory-gib", "10")
-    assert (capped["offload"]["lmcache_cpu_gib"], capped["offload"]["lmcache_disk_gib"]) == (10.0, 21.5)
+    assert (capped["offload"]["lmcache_cpu_gib"], capped["offload"]["lmcache_disk_gib"]) == (10.0, 31.5)  # disk inclusive
     none = plan("--config", str(LLAMA_8B), "--gpu", "H100", "--max-model-len", "8192")
     assert none["offload"]["lmcache_cpu_gib"] is None
     assert "cannot help" in none["offload"]["warning"]
@@ -259,7 +259,8 @@ def test_pipeline_parallel_splits_layers_like_vllm() -> None:
                   "--pipeline-parallel-size", "3", "--gpu-memory-utilization", "0.9")
     assert result["capacity"]["bytes_per_block"] == 11 * 8 * 128 * 2 * 2 * 16
     assert "--pipeline-parallel-size 3" in result["serve"]
-    code, out = invoke("plan", "--config", str(LLAMA_8B), "--max-model-len", "8192", "--pipeline-parallel-size", "40")
+    code, out = invoke("plan", "--config", str(LLAMA_8B), "--gpu", "H100", "--max-model-len", "8192",
+                       "--pipeline-parallel-size", "40")
     assert code == 2
     assert "decoder layers" in out
 
@@ -270,7 +271,7 @@ def test_plan_imports_neither_vllm_nor_torch() -> None:
     import sys
 
     code = ("import sys\nfrom typer.testing import CliRunner\nfrom kvops.ops.cli.main import app\n"
-            f"r = CliRunner().invoke(app, ['plan', '--config', {str(LLAMA_8B)!r}, '--max-model-len', '8192', "
+            f"r = CliRunner().invoke(app, ['plan', '--config', {str(LLAMA_8B)!r}, '--gpu', 'H100', '--max-model-len', '8192', "
             "'--yaml', '--distinct-prefixes', '10', '--prefix-tokens', '100'])\n"
             "assert r.exit_code == 0, r.output\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))\n")

@@ -12,9 +12,8 @@ runner = CliRunner()
 def test_unknown_bench_is_bad_input():
     result = runner.invoke(app, ["bench", "nope"])
     assert result.exit_code == 2
-    assert result.stderr.strip() == (
-        "kvops: unknown bench 'nope': choose one of planner, fp8, offload, admission, loadgen"
-    )
+    # a closed choice (a Typer enum): the parser names the allowed benches
+    assert "'nope' is not one of" in result.output
 
 
 def test_bad_model_shape_is_bad_input(tmp_path):

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from kvops.loadtest.metrics import MetricsSample
-from kvops.ops.diagnose import PROBLEMS, Verdict, diagnose_samples, merge, verdicts_from_result
+from kvops.core.prom import MetricsSample
+from kvops.core.verdict import PROBLEMS, Verdict
+from kvops.ops.diagnose import diagnose_samples, merge, verdicts_from_result
 
 
 def _pair(cache: dict[str, str] | None = None, **last: float) -> tuple[MetricsSample, MetricsSample]:
@@ -54,7 +55,8 @@ def test_prefix_caching_off_and_queueing():
 def test_verdict_slugs_are_the_designed_ones():
     with pytest.raises(ValueError, match="bad verdict"):
         Verdict("kv-exhaustion", "oom")
-    assert set(PROBLEMS) == {"kv-exhaustion", "prefix-miss", "ttft-regression", "offload", "healthy"}
+    assert set(PROBLEMS) == {"kv-exhaustion", "prefix-miss", "ttft-regression", "offload", "healthy",
+                             "inconclusive"}
 
 
 def test_result_file_verdicts_win_over_a_healthy_live_read(tmp_path):
@@ -83,7 +85,7 @@ kvops_offload_degraded{{engine="0",model_name="m"}} {degraded}
     ],
 )
 def test_offload_verdicts_from_the_plugin_gauges(up, degraded, expected):
-    from kvops.loadtest.metrics import parse_metrics
+    from kvops.core.prom import parse_metrics
 
     first = parse_metrics(OFFLOAD_METRICS.format(up=1, degraded=0), t=0.0)
     last = parse_metrics(OFFLOAD_METRICS.format(up=up, degraded=degraded), t=5.0)
@@ -91,7 +93,7 @@ def test_offload_verdicts_from_the_plugin_gauges(up, degraded, expected):
 
 
 def test_a_disk_tier_that_refuses_writes_is_an_offload_degraded_verdict():
-    from kvops.loadtest.metrics import parse_metrics
+    from kvops.core.prom import parse_metrics
 
     page = OFFLOAD_METRICS.format(up=1, degraded=0) + "# TYPE kvops_offload_disk_degraded gauge\n"
     first = parse_metrics(page + "kvops_offload_disk_degraded 0\n", t=0.0)
@@ -105,3 +107,17 @@ def test_a_disk_tier_that_refuses_writes_is_an_offload_degraded_verdict():
 
 def test_no_offload_gauges_no_offload_verdict():
     assert all(v.problem != "offload" for v in diagnose_samples(*_pair()))
+
+
+def test_a_canary_that_could_not_load_is_an_offload_load_path_verdict():
+    """Server up, not degraded, disk fine, and still no load comes back: only the canary knows."""
+    from kvops.core.prom import parse_metrics
+
+    page = OFFLOAD_METRICS.format(up=1, degraded=0) + "# TYPE kvops_offload_load_path_ok gauge\n"
+    first = parse_metrics(page + "kvops_offload_load_path_ok 1\n", t=0.0)
+    last = parse_metrics(page + "kvops_offload_load_path_ok 0\n", t=5.0)
+    [verdict] = diagnose_samples(first, last)
+    assert (verdict.problem, verdict.cause) == ("offload", "load-path")
+    assert verdict.evidence["kvops_offload_load_path_ok"] == 0
+    assert "kvops offload check --url" in verdict.next
+    assert _causes(diagnose_samples(first, first)) == [("healthy", "none")]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvops.ops.calibrate import load_prompts, quantization_error, synthetic_prompts
 from kvops.ops.cli.main import app
+from kvops.ops.fp8.calibrate import load_prompts, quantization_error, synthetic_prompts
 
 runner = CliRunner()
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvops.ops.errors import BadInputError
-from kvops.ops.fp8 import (
+from kvops.core.errors import BadInputError
+from kvops.core.fp8.scales import (
     checkpoint_kv_scale_names,
     choose_scale_source,
     fingerprint_of_config,

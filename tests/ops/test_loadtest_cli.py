@@ -20,7 +20,7 @@ def _run(*args: str):
 def test_unknown_scenario():
     res = _run("loadtest", "oom", "--url", URL)
     assert res.exit_code == 2
-    assert "unknown scenario 'oom'" in res.output
+    assert "No such command 'oom'" in res.output  # scenarios are subcommands: a closed choice
 
 
 def test_scenario_file_with_unknown_key_names_key_and_file(tmp_path):
@@ -93,3 +93,23 @@ def test_expect_must_be_a_plan_and_only_for_kv_exhaustion(tmp_path):
     res = _run("loadtest", "prefix-miss", "--url", URL, "--expect", str(path))
     assert res.exit_code == 2
     assert "kv-exhaustion only" in res.output
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (("--header", "X-Team search"), "'Name: value'"),
+    (("--url", "127.0.0.1:8000"), "base URL"),
+])
+def test_bad_header_or_url_is_refused_before_any_connection(tmp_path, args, expected):
+    url_args = () if "--url" in args else ("--url", URL)
+    res = _run("loadtest", "prefix-miss", *url_args, *args, "--out", str(tmp_path / "out"))
+    assert res.exit_code == 2, res.output
+    assert expected in res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_locustfile_prints_a_path_locust_can_load():
+    res = _run("loadtest", "locustfile", "kv-exhaustion")
+    assert res.exit_code == 0
+    path = res.stdout.strip()
+    assert path.endswith("kv_exhaustion.py")
+    assert "glue.wire(\"kv-exhaustion\")" in open(path).read()

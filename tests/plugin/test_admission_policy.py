@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvops.plugin.admission_policy import (
+from kvops.core.admission.policy import (
     AdmissionPolicy,
     DrainRate,
     KVBudget,

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from kvops.plugin import admission_http
-from kvops.plugin.admission_policy import recommended_settings
-from kvops.plugin.admission_settings import AdmissionSettings
-from kvops.plugin.errors import KvopsPluginError
-from kvops.plugin.settings import load_settings
+from kvops.core.admission.policy import recommended_settings
+from kvops.core.admission.settings import AdmissionSettings
+from kvops.core.errors import KvopsPluginError
+from kvops.core.settings import load_settings
+from kvops.plugin.admission import http as admission_http
 
 
 def _load(admission: object) -> AdmissionSettings:
@@ -129,7 +131,7 @@ def test_bad_tenant_budget_names_the_field():
 def test_queue_gauges_are_refreshed_once_per_interval_not_per_step(monkeypatch):
     from types import SimpleNamespace
 
-    from kvops.plugin.admission_policy import RequestShape
+    from kvops.core.admission.policy import RequestShape
 
     now = [100.0]
     door = admission_http.FrontDoor(AdmissionSettings(), clock=lambda: now[0])
@@ -154,7 +156,7 @@ def test_queue_gauges_are_refreshed_once_per_interval_not_per_step(monkeypatch):
 def test_front_door_reserves_the_spec_decode_lookahead():
     from types import SimpleNamespace
 
-    from kvops.plugin.admission_policy import RequestShape
+    from kvops.core.admission.policy import RequestShape
 
     def config(lookahead: int) -> SimpleNamespace:
         return SimpleNamespace(
@@ -173,3 +175,65 @@ def test_front_door_reserves_the_spec_decode_lookahead():
     assert speculating.policy_for(config(4)).budget.lookahead_tokens == 8
     assert refused is not None
     assert refused.status == 400
+
+
+def test_tenant_series_stay_bounded_however_many_tenants_arrive():
+    from kvops.plugin import metrics
+
+    metrics.reset_for_tests()
+    settings = _load({"tenants": {"batch": {"max_in_flight": 5}}, "tenant_labels": ["web"],
+                      "default_tenant": {"max_in_flight": 1}})
+    door = admission_http.FrontDoor(settings)
+    for i in range(2000):
+        assert door.enter_tenant(f"rotating-{i}") is None  # each its own budget, one label
+    assert door.enter_tenant("web") is None
+    assert door.enter_tenant("batch") is None
+    registry = metrics._registry()
+    series = [s for family in registry.collect() if family.name == "kvops_admission_tenant_in_flight"
+              for s in family.samples]
+    assert {s.labels["tenant"]: s.value for s in series} == {"other": 2000, "web": 1, "batch": 1}
+    assert {s.labels["model_name"] for s in series} == {metrics.bound_model_name()}
+    for i in range(2000):
+        door.leave_tenant(f"rotating-{i}")
+    assert registry.get_sample_value("kvops_admission_tenant_in_flight",
+                                     {"model_name": metrics.bound_model_name(), "tenant": "other"}) == 0
+    assert door.in_flight == {"web": 1, "batch": 1}
+    metrics.reset_for_tests()
+
+
+def test_a_tenant_bound_to_an_api_key_ignores_the_header():
+    import hashlib
+
+    hashed = "sha256:" + hashlib.sha256(b"key-b").hexdigest()
+    settings = _load({"tenants": {"a": {"max_in_flight": 1}, "b": {"max_in_flight": 1}},
+                      "default_tenant": {"max_in_flight": 1},
+                      "tenant_api_keys": {"key-a": "a", hashed: "b"}})
+    admission_http.install(settings)
+    try:
+        def request(key: str | None, header: str | None) -> object:
+            headers = {}
+            if key is not None:
+                headers["authorization"] = f"Bearer {key}"
+            if header is not None:
+                headers["x-kvops-tenant"] = header
+            return SimpleNamespace(headers=headers)
+
+        assert admission_http.tenant_of(request("key-a", "b")) == "a"  # cannot spend b's budget
+        assert admission_http.tenant_of(request("key-b", None)) == "b"  # hashed key
+        assert admission_http.tenant_of(request("unknown", "a")) == ""  # the default pool
+        assert admission_http.tenant_of(request(None, "a")) == ""
+    finally:
+        admission_http.reset_for_tests()
+
+
+def test_settings_info_never_publishes_the_api_keys():
+    """kvops_admission_settings_info's labels are every setting: the API keys bound to tenants
+    appear as a count (a raw key there would be readable by anyone who can scrape /metrics)."""
+    from kvops.plugin.admission.http import settings_labels
+
+    secret = "sk-live-0123456789abcdef"
+    settings = AdmissionSettings(policy="strict", tenant_api_keys={secret: "a", "sha256:" + "0" * 64: "b"})
+    labels = settings_labels(settings)
+    assert labels["tenant_api_keys"] == "2 keys"
+    assert not any(secret in v or "0" * 64 in v for v in labels.values())
+    assert settings_labels(AdmissionSettings(policy="strict"))["tenant_api_keys"] == "none"

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 from vllm.config import SchedulerConfig
 
-from kvops.plugin import admission_http
-from kvops.plugin.admission_settings import AdmissionSettings
-from kvops.plugin.admission_wiring import configure
-from kvops.plugin.errors import KvopsPluginError
+from kvops.core.admission.settings import AdmissionSettings
+from kvops.core.errors import KvopsPluginError
+from kvops.plugin.admission import http as admission_http
+from kvops.plugin.admission.wiring import configure
 
 
 def _config(async_scheduling: bool, scheduler_cls: object = None) -> SimpleNamespace:

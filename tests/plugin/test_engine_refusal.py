@@ -95,3 +95,17 @@ def test_front_end_leaves_other_engine_failures_to_vllm(engine_utils):
     assert not Path(os.environ[_compat.REFUSAL_NOTE_ENV]).exists()  # armed, nothing refused
     with pytest.raises(RuntimeError, match="Engine core initialization failed"):
         engine_utils.wait_for_engine_startup()
+
+
+def test_a_refusing_worker_spares_a_parent_that_is_not_the_engine_core(tmp_path: Path):
+    """The worker's parent is not the front end's child (a subreaper stands between): it is not
+    ours to SIGKILL, so the worker only exits."""
+    note = tmp_path / "note"
+    survivor = ("import subprocess, sys\n"
+                "worker = subprocess.Popen([sys.executable, '-c', sys.argv[1]])\n"
+                "print('worker exited', worker.wait(), flush=True)\n")
+    middle = "import subprocess, sys\nsys.exit(subprocess.call([sys.executable, '-c'] + sys.argv[1:]))\n"
+    done = subprocess.run([sys.executable, "-c", middle, survivor, WORKER], env=_env(note),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert (done.returncode, done.stdout) == (0, "worker exited 2\n")
+    assert note.read_text() == "LMCache server tcp://127.0.0.1:1 does not answer"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvops.plugin.errors import KvopsPluginError
-from kvops.plugin.settings import load_settings
+from kvops.core.errors import KvopsPluginError
+from kvops.core.settings import load_settings
 
 
 def test_a_path_string_is_short_for_a_scales_file():

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
+from kvops.core.offload.preflight import disk_write_problem
 from kvops.plugin.offload.diskwatch import DiskWatch
-from kvops.plugin.offload.preflight import disk_write_problem
 
 
 @pytest.fixture

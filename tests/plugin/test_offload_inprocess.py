@@ -14,14 +14,14 @@ import pytest
 from lmcache.v1.config import LMCacheEngineConfig
 from vllm.config import KVTransferConfig
 
-from kvops.plugin.errors import KvopsPluginError
+from kvops.core.errors import KvopsPluginError
+from kvops.core.offload.settings import OffloadSettings
 from kvops.plugin.offload import CONNECTOR_NAME
 from kvops.plugin.offload.inprocess import (
     apply_lmcache_env,
     lmcache_env,
     names_in_process_connector,
 )
-from kvops.plugin.offload.settings import OffloadSettings
 from kvops.plugin.offload.wiring import IN_PROCESS_WARNED_ENV, configure, ensure_connector
 
 MULTI = {"connectors": [{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}]}

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvops.plugin.offload.integrity import BlockDigests, block_crc, block_keys, first_group_blocks
@@ -59,3 +62,84 @@ def test_block_ids_of_the_first_group():
     assert first_group_blocks([[3, 4], [9]]) == [3, 4]
     assert first_group_blocks([3, 4]) == [3, 4]
     assert first_group_blocks([]) == []
+
+
+KEY = b"k" * 16
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def test_the_file_is_compacted_at_its_budget_and_keeps_the_newest(tmp_path: Path):
+    path = tmp_path / "l2.kvops-digests.rank0"
+    digests = BlockDigests(path, max_file_bytes=44 * 40)  # 20 entries in memory, 40 lines on disk
+    for i in range(500):
+        digests.record([(_key(i), i)])
+        assert path.stat().st_size <= 44 * 40
+    reloaded = BlockDigests(path, max_file_bytes=44 * 40)
+    assert reloaded.check(_key(499), 499) is True
+    assert reloaded.check(_key(0), 0) is None
+    assert len(reloaded) <= 20
+
+
+@pytest.mark.parametrize("content", [
+    b"\xff\xfe\x00garbage" * 10,  # not text (used to crash the worker with UnicodeDecodeError)
+    b"hello world\nnot digests\nat all\n",  # text, but not ours
+])
+def test_a_corrupt_file_is_discarded_with_a_warning(tmp_path: Path, content: bytes,
+                                                     caplog: pytest.LogCaptureFixture):
+    path = tmp_path / "l2.kvops-digests.rank0"
+    path.write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.kvops.offload"):
+        digests = BlockDigests(path)
+    assert "discarding the block digest file" in caplog.text
+    assert not path.exists()
+    assert len(digests) == 0
+    digests.record([(KEY, 1)])
+    assert BlockDigests(path).check(KEY, 1) is True
+
+
+def test_an_oversized_file_is_discarded_without_reading_it(tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture):
+    path = tmp_path / "l2.kvops-digests.rank0"
+    path.write_text(f"{KEY.hex()} 1\n" * 100)
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.kvops.offload"):
+        digests = BlockDigests(path, max_file_bytes=44 * 10)
+    assert "above its 440-byte budget" in caplog.text
+    assert digests.check(KEY, 1) is None
+
+
+def test_a_write_that_fails_degrades_once_never_raises_and_recovers(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """The directory vanishes under the store (a real FileNotFoundError from open())."""
+    import kvops.plugin.offload.integrity as integrity
+
+    monkeypatch.setattr(integrity, "RETRY_S", 0.0)
+    folder = tmp_path / "tier"
+    folder.mkdir()
+    path = folder / "l2.kvops-digests.rank0"
+    digests = BlockDigests(path)
+    digests.record([(_key(1), 1)])
+    folder.joinpath(path.name).unlink()
+    folder.rmdir()
+    with caplog.at_level(logging.ERROR, logger="vllm.plugins.kvops.offload"):
+        digests.record([(_key(2), 2)])
+        digests.record([(_key(3), 3)])
+    assert digests.problem is not None
+    assert caplog.text.count("DIGEST STORE DEGRADED") == 1
+    assert digests.check(_key(3), 3) is True  # memory still verifies
+    folder.mkdir()
+    digests.record([(_key(4), 4)])
+    assert digests.problem is None
+    reloaded = BlockDigests(path)
+    assert [reloaded.check(_key(i), i) for i in (1, 2, 3, 4)] == [True] * 4  # rewritten whole
+
+
+def test_the_preflight_counts_the_digest_budget(tmp_path: Path):
+    from kvops.core.errors import KvopsPluginError
+    from kvops.core.offload.preflight import check_disk_dir
+
+    free_gib = shutil.disk_usage(tmp_path).free / (1 << 30)
+    with pytest.raises(KvopsPluginError, match="of block checksums beside it"):
+        check_disk_dir(str(tmp_path / "tier"), free_gib * 0.999)

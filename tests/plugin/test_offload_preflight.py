@@ -11,10 +11,17 @@ from typing import Any
 
 import pytest
 
-from kvops.plugin.errors import KvopsPluginError
-from kvops.plugin.offload.preflight import ServerConfig, check_disk_dir, check_server, check_shm
-from kvops.plugin.offload.settings import OffloadSettings
-from kvops.plugin.settings import load_settings
+from kvops.core.errors import KvopsPluginError
+from kvops.core.offload.preflight import (
+    ServerConfig,
+    check_disk_dir,
+    check_server,
+    check_shm,
+    choose_transfer_mode,
+    cpu_kv_cache_bytes,
+)
+from kvops.core.offload.settings import OffloadSettings
+from kvops.core.settings import load_settings
 
 REAL_CONFIG: dict[str, Any] = {
     "mp": {"transport": "zmq", "host": "127.0.0.1", "port": 25555, "chunk_size": 256,
@@ -50,7 +57,8 @@ def test_matching_server_passes():
     ("server_mp", "ours", "expected"),
     [
         ({"port": 5555}, {}, "serves KV on port 5555 but kvops.offload.port is 25555"),
-        ({"supported_transfer_mode": "lmcache_driven"}, {}, "would hang for 300 s"),
+        ({"supported_transfer_mode": "lmcache_driven"}, {"transfer_mode": "engine_driven"},
+         "would hang for 300 s"),
         ({"supported_transfer_mode": "engine_driven"}, {"transfer_mode": "lmcache_driven"},
          "accepts only transfer mode 'engine_driven'"),
         ({"chunk_size": 512}, {}, "uses chunk size 512 but kvops.offload.chunk_size is 256"),
@@ -100,7 +108,7 @@ def test_shm_check_compares_with_the_real_free_space(tmp_path: Path):
     [
         ({"disk_gib": 1}, "disk_gib is set but disk_path is not"),
         ({"disk_path": "/tmp/x"}, "disk_path is set but disk_gib is not"),
-        ({"transfer_mode": "auto"}, "offload.transfer_mode"),
+        ({"transfer_mode": "fast"}, "offload.transfer_mode"),
         ({"nope": 1}, "unknown key 'offload.nope'"),
         ({"timeout_s": 0}, "offload.timeout_s"),
     ],
@@ -129,3 +137,57 @@ def test_shared_l2_must_be_the_servers():
         check_server(settings(shared_l2="redis://127.0.0.1:6391"), with_resp, block_size=128)
     with pytest.raises(KvopsPluginError, match="offload.shared_l2"):
         load_settings({"kvops": {"offload": {"shared_l2": "http://x:1"}}})
+
+
+def test_auto_takes_zero_copy_where_the_kv_cache_fits_the_real_free_shm(tmp_path: Path):
+    choice = choose_transfer_mode("auto", "auto", 1 << 20, "cpu", shm=tmp_path)
+    assert choice.mode == "lmcache_driven"
+    assert "fits the free space" in choice.reason
+
+
+@pytest.mark.parametrize(("server_mode", "kv_bytes", "device", "reason"), [
+    ("engine_driven", 1 << 20, "cpu", "accepts only engine_driven"),
+    ("auto", 1 << 20, "cuda", "the KV cache is on cuda"),
+    ("auto", None, "cpu", "--kv-cache-memory-bytes"),
+    ("auto", 1 << 60, "cpu", "docker --shm-size"),
+])
+def test_auto_falls_back_to_engine_driven_with_one_reason(tmp_path, server_mode, kv_bytes, device,
+                                                          reason):
+    choice = choose_transfer_mode("auto", server_mode, kv_bytes, device, shm=tmp_path)
+    assert choice.mode == "engine_driven"
+    assert reason in choice.reason
+    assert "\n" not in choice.reason
+
+
+def test_explicit_modes_are_kept_and_checked(tmp_path: Path):
+    assert choose_transfer_mode("engine_driven", "auto", None, "cpu", tmp_path).mode == "engine_driven"
+    assert choose_transfer_mode("lmcache_driven", "auto", 1, "cpu", tmp_path).mode == "lmcache_driven"
+    with pytest.raises(KvopsPluginError, match="enlarge"):
+        choose_transfer_mode("lmcache_driven", "auto", 1 << 60, "cpu", tmp_path)
+
+
+def test_a_server_that_only_takes_zero_copy_where_it_cannot_work_is_refused(tmp_path: Path):
+    with pytest.raises(KvopsPluginError, match="accepts only lmcache_driven"):
+        choose_transfer_mode("auto", "lmcache_driven", None, "cpu", tmp_path)
+
+
+def test_cpu_kv_cache_size_comes_from_the_flag_or_the_cpu_variable():
+    assert cpu_kv_cache_bytes(1 << 30, {"VLLM_CPU_KVCACHE_SPACE": "4"}) == 1 << 30
+    assert cpu_kv_cache_bytes(None, {"VLLM_CPU_KVCACHE_SPACE": "4"}) == 4 << 30
+    assert cpu_kv_cache_bytes(None, {"VLLM_CPU_KVCACHE_SPACE": "x"}) is None
+    assert cpu_kv_cache_bytes(None, {}) is None
+
+
+def test_kvops_info_names_the_resolved_transfer_mode_only_with_kvops_offload():
+    from types import SimpleNamespace
+
+    from kvops.plugin.metrics import offload_transfer_mode
+
+    def config(extra: dict[str, Any] | None) -> Any:
+        transfer = None if extra is None else SimpleNamespace(kv_connector_extra_config=extra)
+        return SimpleNamespace(kv_transfer_config=transfer)
+
+    ours = {"kvops.offload": {}, "lmcache.mp.mp_transfer_mode": "lmcache_driven"}
+    assert offload_transfer_mode(config(ours)) == "lmcache_driven"
+    assert offload_transfer_mode(config({"lmcache.mp.mp_transfer_mode": "engine_driven"})) == ""
+    assert offload_transfer_mode(config(None)) == ""

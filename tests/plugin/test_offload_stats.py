@@ -44,3 +44,42 @@ def test_kv_bytes_per_token_matches_the_formula_for_the_cpu_layout():
     caches = {f"l{i}": torch.zeros(blocks, heads, block, 2 * head_dim, dtype=torch.bfloat16)
               for i in range(layers)}
     assert kv_bytes_per_token(caches, block) == 2 * layers * heads * head_dim * 2
+
+
+def test_digest_health_and_internal_errors_merge_like_the_other_fields():
+    worker = OffloadStats()
+    worker.set_digest_degraded(True)
+    worker.internal_error("offload_digest_store")
+    scheduler = OffloadStats()
+    scheduler.set_digest_degraded(False)
+    scheduler.internal_error("offload_digest_store")
+    merged = worker.aggregate(scheduler)
+    assert merged.data["kvops_digest_degraded"] == 1
+    assert merged.data["kvops_internal_errors"] == {"offload_digest_store": 2}
+    assert merged.reduce()["kvops_internal_errors"] == 2
+    healthy = OffloadStats()
+    healthy.set_digest_degraded(False)
+    assert not healthy.is_empty()
+
+
+def test_only_loads_that_finished_without_a_failed_block_are_checksummed():
+    """A load LMCache reports failed holds stale bytes: checking it would log a false 'corrupt'
+    (failures may come in an earlier step than the finish, so they are remembered meanwhile)."""
+    from types import SimpleNamespace
+
+    from kvops.plugin.offload.connector import KVOpsOffloadConnector
+
+    verified: list[str] = []
+    meta = {name: SimpleNamespace(request_id=name, op=SimpleNamespace(block_ids=[blocks]))
+            for name, blocks in (("ok", [1, 2]), ("failed", [3, 4]), ("later", [5, 6]))}
+    half = SimpleNamespace(_kvops_failed_blocks=set(), _kvops_to_verify=[meta["ok"], meta["failed"]],
+                           _kvops_loads={"later": (0.0, 0, meta["later"])},
+                           _kvops_verify=lambda m: verified.append(m.request_id),
+                           _kvops_canary_report=lambda m, kind: None)
+    KVOpsOffloadConnector._kvops_verify_finished(half, {4, 6})  # type: ignore[arg-type]
+    assert verified == ["ok"]
+    assert half._kvops_failed_blocks == {4, 6}  # "later" is still loading: its failure counts
+    half._kvops_loads, half._kvops_to_verify = {}, [meta["later"]]
+    KVOpsOffloadConnector._kvops_verify_finished(half, set())  # type: ignore[arg-type]
+    assert verified == ["ok"]
+    assert half._kvops_failed_blocks == set()

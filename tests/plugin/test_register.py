@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import kvops.plugin as plugin
+from kvops.core.settings import KvopsSettings
 
 
 @pytest.fixture
@@ -41,4 +42,4 @@ def test_bad_settings_stop_config_with_exit_code_2(platform_cls, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["kvops: refusing to start: --additional-config kvops: unknown key 'nope' (known keys: "
-                   + ", ".join(sorted(plugin.settings.KvopsSettings.model_fields)) + ")"]
+                   + ", ".join(sorted(KvopsSettings.model_fields)) + ")"]

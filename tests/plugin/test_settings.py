@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvops.plugin.errors import KvopsPluginError
-from kvops.plugin.settings import FEATURE_FIELDS, KvopsSettings, load_settings
+from kvops.core.errors import KvopsPluginError
+from kvops.core.settings import FEATURE_FIELDS, KvopsSettings, load_settings
 
 
 def test_absent_kvops_key_means_not_configured():

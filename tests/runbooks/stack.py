@@ -1,7 +1,7 @@
 """Puts the real stack into a runbook state and runs a page's command block there.
 
 Servers come from the e2e session pool (tests/e2e/conftest.py ``vllm``), so a configuration
-starts once per session and at most two run at a time; the load of a state runs in background
+starts once per session and at most four run at a time; the load of a state runs in background
 threads only while that state is active.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import requests
 
-from kvops.loadtest.metrics import parse_metrics
+from kvops.core.prom import parse_metrics, samples_by_name, selector_sum
 
 from .states import Load, State, state
 
@@ -55,13 +55,22 @@ class LoadThreads:
             n += 1
             prompt = words if load.shared_prompt else f"user {index} request {n} {words}"
             body = {"model": model, "prompt": prompt, "max_tokens": load.max_tokens,
-                    "ignore_eos": True, "temperature": 0}
+                    "ignore_eos": True, "temperature": 0, "stream": True}
             try:
-                status = requests.post(url + "/v1/completions", json=body, timeout=300).status_code
+                status = self._stream(url, body)
             except requests.RequestException:
                 status = 0
             if status != 200:  # a 429/503 comes back at once: don't spin on it
                 time.sleep(0.5)
+
+    def _stream(self, url: str, body: dict[str, Any]) -> int:
+        """Streamed, so that stop() hangs up mid-request (vLLM aborts a request whose client has
+        gone) instead of waiting for 800 tokens on a preempting server."""
+        with requests.post(url + "/v1/completions", json=body, timeout=300, stream=True) as resp:
+            for _ in resp.iter_lines():
+                if self._stop.is_set():
+                    break
+            return resp.status_code
 
     def stop(self) -> None:
         self._stop.set()
@@ -160,19 +169,20 @@ def _wait_for(url: str, ready: dict[str, float],
 
 def _special(key: str, metrics_text: str) -> float:
     """kvops conditions: rejections so far, LMCache server seen up / down by the plugin, the
-    connector degraded / recovered."""
-    def values(prefix: str) -> list[float]:
-        return [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
-                if line.startswith(prefix)]
+    connector degraded / recovered (read whatever labels the series carry: model_name, engine)."""
+    by_name = samples_by_name(metrics_text)
+
+    def values(name: str) -> list[float]:
+        return [value for _, value in by_name.get(name, [])]
 
     if key == "kvops_rejected":
-        return sum(values('kvops_admission_decisions_total{decision="rejected"'))
-    up = values("kvops_offload_server_up ")
+        return selector_sum(by_name, 'kvops_admission_decisions_total{decision="rejected"}')
+    up = values("kvops_offload_server_up")
     if key == "kvops_offload_server_up":
         return 1.0 if up and up[0] == 1.0 else 0.0
     if key == "kvops_offload_server_down":
         return 1.0 if up and up[0] == 0.0 else 0.0
-    degraded = values("kvops_offload_degraded{")
+    degraded = values("kvops_offload_degraded")
     if key == "kvops_offload_degraded":
         return max(degraded, default=0.0)
     if key == "kvops_offload_recovered":
@@ -185,7 +195,7 @@ class LmcacheServer:
     across a stop and a restart (what an operator does)."""
 
     def __init__(self, root: Path) -> None:
-        from kvops.ops.launch import free_port
+        from kvops.core.proc import free_port
 
         root.mkdir(parents=True, exist_ok=True)
         self.root = root

@@ -42,7 +42,7 @@ class State:
     load: Load | None = None
     ready: dict[str, float] = field(default_factory=dict)
     """Conditions on /metrics the load must reach before commands run: key -> minimum
-    (keys of kvops.loadtest.metrics: preemptions, waiting, requests_finished ...)."""
+    (keys of kvops.core.prom: preemptions, waiting, requests_finished ...)."""
     page_flags: tuple[str, ...] = ()
     model_shape: tuple[tuple[str, int], ...] = ()
     """Another tiny-model shape than the default (TinyModelSpec fields)."""
@@ -104,9 +104,13 @@ STATES: tuple[State, ...] = (
     ),
     State(
         "queueing",
-        "--max-num-seqs 1 under 8 users: requests queue for the single slot while KV is free",
+        "--max-num-seqs 1 under 4 users: requests queue for the single slot while KV is free",
         args=(*MAX_MODEL_LEN, "--max-num-seqs", "1"),
-        load=Load(users=8, prompt_words=20, max_tokens=8),
+        # 64 output tokens, not 8: at 8 the single slot served ~15 req/s, faster than four
+        # Python clients resubmitted, so vLLM's log showed "Waiting: 0" most of the time and a
+        # 10 s diagnose window could read an idle server (clean-clone run); at 64 a request holds
+        # the slot ~0.5 s, the other three wait, and the clients send an eighth as often
+        load=Load(users=4, prompt_words=20, max_tokens=64),
         ready={"waiting": 1},
         page_flags=("--max-num-seqs",),
     ),

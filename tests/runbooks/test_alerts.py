@@ -6,6 +6,7 @@ evaluator are the oracle here, not ours.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -86,3 +87,19 @@ def test_every_page_is_the_runbook_of_its_alerts() -> None:
 def test_alerts_use_only_metrics_vllm_and_kvops_define() -> None:
     exprs = "\n".join(r["expr"] for r in _rules())
     assert unknown_names(exprs, known_names()) == set()
+
+
+@pytest.mark.parametrize("rule", [r for r in _rules() if "kvops_" in r["expr"]], ids=lambda r: r["alert"])
+def test_alerts_on_kvops_series_keep_the_model_like_vllms(rule: dict[str, Any]) -> None:
+    """The plugin labels its series with vLLM's model_name, so its alerts name the model too:
+    every aggregation keeps job, instance and model_name, and the promtool unit test of the
+    alert expects them (runbooks/alerts_test.yaml)."""
+    groupings = re.findall(r"\bby \(([^)]*)\)", rule["expr"])
+    assert groupings, rule["expr"]
+    for grouping in groupings:
+        assert {"job", "instance", "model_name"} <= {g.strip() for g in grouping.split(",")}
+    tests = yaml.safe_load((RUNBOOK_DIR / "alerts_test.yaml").read_text())["tests"]
+    expected = [alert["exp_labels"] for t in tests for case in t.get("alert_rule_test", [])
+                if case["alertname"] == rule["alert"] for alert in case.get("exp_alerts", [])]
+    assert expected
+    assert all("model_name" in labels for labels in expected)

@@ -1,0 +1,1 @@
+"""KV-budget admission: the policy arithmetic and the settings schema (no vLLM)."""

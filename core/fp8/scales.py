@@ -1,0 +1,249 @@
+"""FP8 KV facts and the calibrated-scales file: pure functions shared by the plugin,
+``kvops calibrate``, ``kvops doctor`` and the fp8 bench.
+
+vLLM stores an fp8 KV element as ``fp8(x / scale)`` and reads it back as ``fp8 * scale``
+(vllm/model_executor/layers/quantization/kv_cache.py). A bf16 checkpoint gets scale 1.0:
+K/V above the format's max saturate, K/V far below its smallest subnormal round to zero.
+A calibrated per-layer scale maps the observed absmax onto the format's max.
+
+No vLLM, no torch here: the CLI and doctor must stay instant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from kvops.core.errors import BadInputError
+from kvops.core.files import read_mapping
+
+Fp8Format = Literal["fp8_e4m3", "fp8_e5m2"]
+
+FORMAT_MAX: dict[str, float] = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+"""Largest finite value of each fp8 format (OCP e4m3fn / e5m2)."""
+
+DEFAULT_MARGIN = 1.25
+"""scale = absmax × margin / format max. The margin leaves 25% headroom for K/V larger than
+anything the calibration prompts produced (a saturated value is clipped, an unseen one is
+not representable); it costs a third of a bit of e4m3's relative precision, and nothing
+near zero, since fp8 precision is relative except in the subnormal range."""
+
+SCALES_FORMAT_VERSION = 1
+
+# config.json keys that do not change what the KV holds (tooling versions, local paths).
+_VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype"})
+
+
+def normalize_fp8_dtype(kv_cache_dtype: str) -> Fp8Format | None:
+    """The fp8 format a --kv-cache-dtype stores, or None when it is not plain fp8.
+
+    vLLM's ``fp8`` means e4m3 (vllm/config/cache.py CacheDType).
+    """
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return "fp8_e4m3"
+    if kv_cache_dtype == "fp8_e5m2":
+        return "fp8_e5m2"
+    return None
+
+
+def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU feature flags the kernel reports (empty when unreadable)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def fp8_kv_support(
+    arch: str, cpu_flags: frozenset[str] | set[str], head_dim: int, use_mla: bool
+) -> tuple[bool, str]:
+    """Can vLLM's CPU backend hold this model's KV in fp8? (ok, reason when not).
+
+    The rules are those of vllm/v1/attention/backends/cpu_attn.py ``_get_attn_isa`` (AVX-512 or
+    AMX; head_size % 32 == 0) and mla/cpu_mla.py (CPU MLA supports only ``auto``), which vLLM
+    checks only in the worker, after the model has loaded.
+    """
+    if use_mla:
+        return False, (
+            "MLA models cannot use fp8 KV on CPU (vLLM's CPU_MLA backend supports only "
+            "--kv-cache-dtype auto): drop --kv-cache-dtype or serve on a GPU"
+        )
+    x86 = arch in ("x86_64", "amd64", "AMD64")
+    if not x86 or not ({"avx512f", "amx_tile"} & set(cpu_flags)):
+        return False, (
+            f"fp8 KV on CPU needs x86 with AVX-512 or AMX; this CPU ({arch}) has neither: "
+            "drop --kv-cache-dtype fp8 or run on an AVX-512/AMX machine"
+        )
+    if head_dim % 32 != 0:
+        return False, (
+            f"fp8 KV on CPU needs head_dim % 32 == 0; this model's head_dim is {head_dim}: "
+            "drop --kv-cache-dtype fp8 for this model"
+        )
+    return True, ""
+
+
+def scale_from_absmax(absmax: float, fmt: str, margin: float = DEFAULT_MARGIN) -> float:
+    """The per-tensor scale that puts ``absmax × margin`` at the format's max.
+
+    An all-zero layer (absmax 0) gets 1.0: any positive scale represents it exactly.
+    """
+    if absmax <= 0 or not math.isfinite(absmax):
+        return 1.0
+    return absmax * margin / FORMAT_MAX[fmt]
+
+
+class ModelFingerprint(BaseModel):
+    """What a scales file must agree with to be applied to a model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    config_sha256: str
+
+
+def fingerprint_of_config(config: dict[str, object]) -> ModelFingerprint:
+    """Fingerprint of a HF config.json mapping (text config for multimodal ones)."""
+    text = config.get("text_config")
+    cfg = text if isinstance(text, dict) else config
+    archs = config.get("architectures") or ["unknown"]
+    heads = int(str(cfg.get("num_attention_heads", 1)))
+    hidden = int(str(cfg.get("hidden_size", 0)))
+    head_dim = cfg.get("head_dim") or (hidden // heads if heads else 0)
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    stable = {k: v for k, v in sorted(config.items()) if k not in _VOLATILE_CONFIG_KEYS}
+    digest = hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()
+    return ModelFingerprint(
+        architecture=str(archs[0]) if isinstance(archs, list) else str(archs),
+        num_layers=int(str(cfg.get("num_hidden_layers", 0))),
+        num_kv_heads=int(str(kv_heads)),
+        head_dim=int(str(head_dim)),
+        config_sha256=digest,
+    )
+
+
+def read_model_config(model_dir: Path) -> dict[str, object]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise BadInputError(f"{model_dir}: no config.json: --model must be a local model directory")
+    return read_mapping(path)
+
+
+class LayerScales(BaseModel):
+    """One attention layer's scales and what calibration saw."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    k_scale: float
+    v_scale: float
+    k_absmax: float | None = None
+    v_absmax: float | None = None
+    k_error: float | None = None
+    """Relative RMS error of K quantized with k_scale, over the sampled values."""
+    v_error: float | None = None
+    k_error_scale1: float | None = None
+    """The same error with scale 1.0: what calibration saves."""
+    v_error_scale1: float | None = None
+
+    @field_validator("k_scale", "v_scale")
+    @classmethod
+    def _positive_finite(cls, value: float) -> float:
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"must be a positive finite number, got {value}")
+        return value
+
+
+class ScalesFile(BaseModel):
+    """The JSON ``kvops calibrate`` writes and the plugin's ``kv_scales`` reads."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format_version: int = SCALES_FORMAT_VERSION
+    dtype: Fp8Format
+    margin: float = DEFAULT_MARGIN
+    model: ModelFingerprint
+    vllm_version: str = ""
+    tokens_seen: int = 0
+    layers: dict[str, LayerScales]
+    """vLLM attention layer name (e.g. ``model.layers.0.self_attn.attn``) -> scales."""
+
+
+def load_scales_file(path: Path) -> ScalesFile:
+    """Read and validate a scales file; every problem is one line naming the file and field."""
+    if not path.is_file():
+        raise BadInputError(f"kv_scales file {str(path)!r} not found: run `kvops calibrate` or fix the path")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise BadInputError(f"kv_scales file {path}: not valid JSON ({exc})") from None
+    try:
+        scales = ScalesFile.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        raise BadInputError(
+            f"kv_scales file {path}: {where}: {err['msg']} (recalibrate with `kvops calibrate`)"
+        ) from None
+    if not scales.layers:
+        raise BadInputError(f"kv_scales file {path}: no layers (recalibrate with `kvops calibrate`)")
+    return scales
+
+
+def scales_mismatch(scales: ScalesFile, model: ModelFingerprint) -> str | None:
+    """Why these scales do not belong to this model, or None when they do."""
+    want = scales.model
+    for field in ("architecture", "num_layers", "num_kv_heads", "head_dim", "config_sha256"):
+        have, expected = getattr(model, field), getattr(want, field)
+        if have != expected:
+            return f"{field} is {expected} in the scales file but {have} for the served model"
+    if len(scales.layers) != model.num_layers:
+        return f"the scales file has {len(scales.layers)} layers, the model {model.num_layers}"
+    return None
+
+
+_CHECKPOINT_SCALE_SUFFIXES = (
+    ".k_scale", ".v_scale", ".kv_scale", "k_proj.output_scale", "v_proj.output_scale",
+)
+
+
+def checkpoint_kv_scale_names(model_dir: Path) -> list[str]:
+    """Names of k/v scale tensors the checkpoint carries (read from safetensors headers only).
+
+    vLLM loads ``*.k_scale`` / ``*.v_scale`` (and legacy ``*.kv_scale``) into the attention
+    layers of fp8 checkpoints (vllm/model_executor/model_loader/weight_utils.py
+    ``maybe_remap_kv_scale_name``); compressed-tensors checkpoints name them
+    ``k_proj.output_scale`` / ``v_proj.output_scale`` (``CompressedTensorsConfig.get_cache_scale``).
+    """
+    names: list[str] = []
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        names += [n for n in header if n.endswith(_CHECKPOINT_SCALE_SUFFIXES)]
+    return names
+
+
+ScaleSource = Literal["checkpoint", "file", "default"]
+
+
+def choose_scale_source(
+    checkpoint_has_scales: bool, scales_file_given: bool, override_checkpoint: bool
+) -> ScaleSource:
+    """Checkpoint scales win over a scales file unless the operator asks to override."""
+    if scales_file_given and (override_checkpoint or not checkpoint_has_scales):
+        return "file"
+    if checkpoint_has_scales:
+        return "checkpoint"
+    return "default"

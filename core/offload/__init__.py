@@ -1,0 +1,1 @@
+"""Offload: the settings schema and the preflight checks that need no LMCache."""

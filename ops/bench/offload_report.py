@@ -1,0 +1,153 @@
+"""JSON assembly of ``kvops bench offload``: one variant's ratios, both modes, the tuning table.
+
+Pure functions over what the bench measured (no server), so the contract keys are unit-tested:
+the default variant's ratios are the top-level keys (DESIGN.md), ``modes`` holds the same ratio
+keys per transfer mode, ``tuning`` one row per knob tried, each against the default measured in
+the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvops.ops.bench.paired import block_ratios
+
+RATIO_KEYS = ("l1_ttft_ratio", "disk_ttft_ratio", "miss_overhead_ratio", "copy_fraction_of_memcpy")
+"""The keys a mode and a tuning row carry (lower is better, except the copy fraction, which the
+verdict of a tuning row leaves out: it has no samples to tell an effect from noise)."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One offload server's measurements (a variant), beside the shared no-connector server.
+
+    runs: tier -> [(TTFT s, greedy text)] for cold / l1 / disk; baseline: the no-connector
+    server's [(TTFT s, text)] on the same prompts; misses: {"baseline", "offload"} cold TTFTs in
+    ABBA order; hits: tier -> LMCache hit tokens summed over the runs; load/store GB/s from the
+    connector's own counters."""
+
+    transfer_mode: str
+    runs: dict[str, list[tuple[float, str]]]
+    baseline: list[tuple[float, str]]
+    misses: dict[str, list[float]]
+    hits: dict[str, float]
+    load_gb_per_s: float
+    store_gb_per_s: float
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def miss_block_ratios(ttfts: dict[str, list[float]]) -> list[float]:
+    """Per ABBA block: offload / no-connector cold TTFT - 1 (two rounds per side per block)."""
+    return [ratio - 1 for ratio in block_ratios(ttfts["baseline"], ttfts["offload"])]
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Min, quartiles and max (the quartiles interpolate; with 4 blocks they are ~ the 2nd and
+    3rd smallest)."""
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+    return {"min": min(values), "q1": low, "q3": high, "max": max(values)}
+
+
+def variant_result(m: Measured, memcpy_gb_per_s: float) -> dict[str, Any]:
+    """The ratio keys and raw figures of one variant (the top-level keys for the default)."""
+    median = {tier: statistics.median(t for t, _ in m.runs[tier]) for tier in m.runs}
+    blocks = miss_block_ratios(m.misses)
+    texts = [text for tier in m.runs for _, text in m.runs[tier]]
+    identical = all(text == m.baseline[i % len(m.baseline)][1] for i, text in enumerate(texts))
+    repeats = len(m.runs["cold"])
+    per_prompt = {tier: [t / cold for (t, _), (cold, _) in zip(m.runs[tier], m.runs["cold"], strict=True)]
+                  for tier in ("l1", "disk")}
+    return {
+        "l1_ttft_ratio": median["l1"] / median["cold"],
+        "disk_ttft_ratio": median["disk"] / median["cold"],
+        "miss_overhead_ratio": statistics.median(blocks),
+        "miss_overhead_spread": spread(blocks),
+        "miss_overhead_blocks": blocks,
+        "l1_ttft_ratio_per_prompt": per_prompt["l1"],
+        "disk_ttft_ratio_per_prompt": per_prompt["disk"],
+        "miss_ttft_s": {"no_connector": statistics.median(m.misses["baseline"]),
+                        "offload": statistics.median(m.misses["offload"])},
+        "copy_fraction_of_memcpy": m.load_gb_per_s / memcpy_gb_per_s,
+        # lmcache_driven stores are submitted in the step and copied later by the server, so the
+        # step time says nothing about copy speed there.
+        "store_fraction_of_memcpy": (m.store_gb_per_s / memcpy_gb_per_s
+                                     if m.transfer_mode == "engine_driven" else None),
+        "outputs_identical": identical,
+        "repeats": repeats,
+        "transfer_mode": m.transfer_mode,
+        "ttft_s": {**median, "no_connector": statistics.median(m.misses["baseline"])},
+        "hit_tokens_per_request": {tier: hits / repeats for tier, hits in m.hits.items()},
+        "load_gb_per_s": m.load_gb_per_s,
+        "store_gb_per_s": m.store_gb_per_s,
+    }
+
+
+def mode_entry(result: dict[str, Any]) -> dict[str, Any]:
+    """What ``modes`` shows per transfer mode: the ratio keys and the evidence beside them."""
+    keys = (*RATIO_KEYS, "miss_overhead_spread", "miss_overhead_blocks", "l1_ttft_ratio_per_prompt",
+            "disk_ttft_ratio_per_prompt", "store_fraction_of_memcpy", "outputs_identical",
+            "ttft_s", "hit_tokens_per_request")
+    return {key: result[key] for key in keys}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A setting changed from the default variant, and what the bench may say about it."""
+
+    name: str
+    value: Any
+    default: Any
+    note: str
+
+
+def noise(result: dict[str, Any]) -> dict[str, float]:
+    """How far a ratio moves by chance within one variant: the miss blocks' interquartile range,
+    half the range of the per-prompt hit ratios. The copy fraction has no samples to judge by."""
+    spread_ = result["miss_overhead_spread"]
+
+    def half_range(values: list[float]) -> float:
+        return (max(values) - min(values)) / 2
+
+    return {"miss_overhead_ratio": spread_["q3"] - spread_["q1"],
+            "l1_ttft_ratio": half_range(result["l1_ttft_ratio_per_prompt"]),
+            "disk_ttft_ratio": half_range(result["disk_ttft_ratio_per_prompt"])}
+
+
+def tuning_row(knob: Knob, tried: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:
+    """One knob: its ratios, the change from the default measured in the same run, a verdict.
+
+    A ratio counts as better or worse only when it moved by more than the larger of the two
+    variants' own noise (``noise``); ``helps`` needs one better and none worse: a difference
+    inside the run's noise is not an effect."""
+    delta = {key: tried[key] - default[key] for key in RATIO_KEYS}
+    judged = {key: max(a, b) for (key, a), b in zip(noise(default).items(), noise(tried).values(),
+                                                    strict=True)}
+    better = [key for key, limit in judged.items() if -delta[key] > limit]
+    worse = [key for key, limit in judged.items() if delta[key] > limit]
+    verdict = ("helps" if better and not worse else "hurts" if worse and not better
+               else "mixed" if worse else "no clear effect")
+    return {
+        "knob": knob.name, "value": knob.value, "default": knob.default,
+        "transfer_mode": tried["transfer_mode"],
+        **{key: tried[key] for key in RATIO_KEYS},
+        "delta_vs_default": delta,
+        "noise": judged,
+        "miss_overhead_spread": tried["miss_overhead_spread"],
+        "outputs_identical": tried["outputs_identical"],
+        "effect": verdict,
+        "note": knob.note,
+    }
+
+
+def assemble(default: dict[str, Any], modes: dict[str, dict[str, Any]],
+             tuning: list[tuple[Knob, dict[str, Any]]], context: dict[str, Any]) -> dict[str, Any]:
+    """The whole JSON: ``context`` (shape, memcpy, mode setting...) and the default's keys on top
+    (DESIGN.md contract), then ``modes`` and ``tuning``."""
+    return {
+        **context,
+        **default,
+        "modes": {mode: mode_entry(result) for mode, result in modes.items()},
+        "tuning": [tuning_row(knob, tried, default) for knob, tried in tuning],
+    }

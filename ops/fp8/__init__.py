@@ -1,0 +1,1 @@
+"""FP8 KV on the ops side: calibration against a live server, accuracy scoring, test models."""

@@ -1,0 +1,90 @@
+"""KVOPS_SERVER_NICE: the servers kvops starts run at that niceness (read back from the kernel),
+the load generator on the same machine keeps its own; a bad value is refused by name."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvops.core.errors import KvopsError
+from kvops.core.proc import free_port
+from kvops.ops.launch import SERVER_NICE_ENV, ManagedServer
+
+
+def _server(tmp_path, port: int) -> ManagedServer:
+    argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+    return ManagedServer(name="http", argv=argv, port=port, log_path=tmp_path / "http.log",
+                         env=dict(os.environ))
+
+
+def _autogroup_nice_of(pid: int) -> int | None:
+    """The nice of the process's scheduling autogroup ("/autogroup-N nice X"; None: no autogroups
+    in this kernel)."""
+    path = Path(f"/proc/{pid}/autogroup")
+    return int(path.read_text().split()[-1]) if path.exists() else None
+
+
+def _nice_of(pid: int) -> int:
+    # /proc/<pid>/stat: field 19 is the nice value; the command name (field 2) may hold spaces
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return int(fields[16])
+
+
+@pytest.mark.parametrize("asked", ["10", ""])
+def test_servers_run_at_the_niceness_asked_for(tmp_path, monkeypatch, asked):
+    monkeypatch.setenv(SERVER_NICE_ENV, asked)
+    ours, ours_group = os.nice(0), _autogroup_nice_of(os.getpid())
+    server = _server(tmp_path, free_port())
+    server.start(health_path="/", timeout_s=30)
+    try:
+        assert server.process is not None
+        assert _nice_of(server.process.pid) == max(ours, int(asked or 0))
+        assert os.nice(0) == ours  # the caller (the load generator) keeps its priority
+        # the server's session is its own scheduling group: niced too, or its threads' nice
+        # counts only among themselves (sched(7), autogroup); the caller's group is untouched
+        group, our_group = _autogroup_nice_of(server.process.pid), _autogroup_nice_of(os.getpid())
+        if group is not None:
+            assert group == int(asked or 0)
+            assert our_group == ours_group
+    finally:
+        server.stop()
+
+
+def test_a_server_started_by_a_niced_server_keeps_that_niceness(tmp_path, monkeypatch):
+    """`kvops offload serve` (itself a server kvops started) starts `lmcache server`: both at
+    10, not 10 and then 20 (19: the lowest priority there is)."""
+    monkeypatch.setenv(SERVER_NICE_ENV, "10")
+    port = free_port()
+    starter = (f"import os; from pathlib import Path; from kvops.ops.launch import ManagedServer; "
+               f"s = ManagedServer(name='inner', argv={[sys.executable, '-m', 'http.server', str(port), '--bind', '127.0.0.1']!r}, "
+               f"port={port}, log_path=Path({str(tmp_path / 'inner.log')!r}), env=dict(os.environ)); "
+               "s.start(health_path='/', timeout_s=30); print(s.process.pid, flush=True); "
+               "import time; time.sleep(60)")
+    outer = ManagedServer(name="outer", argv=[sys.executable, "-c", starter], port=port,
+                          log_path=tmp_path / "outer.log", env=dict(os.environ))
+    outer.start(health_path="/", timeout_s=60)
+    try:
+        assert outer.process is not None
+        log = tmp_path / "outer.log"
+        deadline = time.monotonic() + 30  # the inner answers before the outer prints its pid
+        while not log.read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        inner = int(log.read_text().split()[0])
+        assert _nice_of(outer.process.pid) == max(os.nice(0), 10)
+        assert _nice_of(inner) == max(os.nice(0), 10)
+    finally:
+        outer.stop()
+
+
+@pytest.mark.parametrize("bad", ["-5", "20", "ten", "1.5"])
+def test_a_bad_niceness_is_refused_by_name_before_anything_starts(tmp_path, monkeypatch, bad):
+    monkeypatch.setenv(SERVER_NICE_ENV, bad)
+    server = _server(tmp_path, free_port())
+    with pytest.raises(KvopsError, match=f"{SERVER_NICE_ENV}=.*0 to 19"):
+        server.start(health_path="/", timeout_s=30)
+    assert server.process is None

@@ -1,0 +1,210 @@
+"""`kvops plan --offload-mode`: tier sizes, expected hit ratios, and whether offload pays.
+
+Oracles from outside the planner: a brute-force LRU cache (an OrderedDict) run over the real
+Mooncake trace in ../shared, following issue 17's definitions, for the GPU, L1 and disk sizes the
+plan chose; hand-computed hit ratios for ``--distinct-prefixes`` (D equally popular prefixes:
+an LRU holding k of them finds k/D); the time model and the measured costs written out here.
+Llama 3.1 8B's bf16 KV is 131,072 B/token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+from click.testing import Result
+from typer.testing import CliRunner
+
+from kvops.ops.cli.main import app
+
+LLAMA = "meta-llama--Meta-Llama-3.1-8B.json"
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+TRACE = SHARED / "fixtures/traces/mooncake_conversation_trace.jsonl"
+CONFIGS = SHARED / "fixtures/model-configs"
+KV_BYTES = 131_072
+GIB = 1 << 30
+ENGINE = (0.27, 0.25, 0.27)  # L1 hit, disk hit (of cold TTFT with the connector), miss overhead
+LMCACHE = (0.070, 0.082, 0.15)
+
+
+def invoke(*args: str) -> Result:
+    device = [] if "--device" in args else ["--gpu", "H100"]
+    return CliRunner().invoke(app, ["plan", "--config", str(CONFIGS / LLAMA), *device, *args])
+
+
+def plan(*args: str) -> dict:
+    res = invoke("--json", *args)
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def time_model(costs: tuple[float, float, float], gpu: float, l1: float, disk: float) -> tuple[float, float]:
+    """(prefill saved, miss overhead) in shares of recomputing every prompt token without a connector."""
+    c_l1, c_disk, m = costs
+    return (l1 - gpu) * (1 - c_l1 * (1 + m)) + (disk - l1) * (1 - c_disk * (1 + m)), m * (1 - disk)
+
+
+def lru_hit_ratio(requests: list[dict], capacity_blocks: int) -> float:
+    """Issue 17: hit = min(512 × leading ids cached, input); then every id inserted/refreshed in order."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hit = total = 0
+    for req in requests:
+        k = 0
+        for block in req["hash_ids"]:
+            if block not in cache:
+                break
+            k += 1
+        hit += min(512 * k, req["input_length"])
+        total += req["input_length"]
+        for block in req["hash_ids"]:
+            cache[block] = None
+            cache.move_to_end(block)
+        while len(cache) > capacity_blocks:
+            cache.popitem(last=False)
+    return hit / total
+
+
+def test_trace_tiers_match_a_brute_force_lru_over_the_real_trace():
+    assert TRACE.is_file(), f"missing {TRACE}: ../shared must sit beside the repo"
+    doc = plan("--max-model-len", "40000", "--trace", str(TRACE), "--host-memory-gib", "500",
+               "--offload-mode", "engine_driven")
+    d = doc["offload_decision"]
+    assert (d["l1_gib"], d["disk_gib"]) == (500.0, 1974.5)  # disk inclusive: the whole 90% target
+    assert (d["l1_tokens"], d["disk_tokens"]) == (500 * GIB // KV_BYTES, int(1974.5 * GIB) // KV_BYTES)
+    rows = [json.loads(line) for line in TRACE.read_text().splitlines() if line.strip()]
+    rows.sort(key=lambda r: r["timestamp"])
+    gpu = lru_hit_ratio(rows, d["gpu_cache_tokens"] // 512)
+    l1 = lru_hit_ratio(rows, d["l1_tokens"] // 512)
+    disk = lru_hit_ratio(rows, d["disk_tokens"] // 512)
+    assert d["gpu_hit_ratio"] == pytest.approx(gpu, abs=1e-4)
+    assert d["l1_hit_ratio"] == pytest.approx(l1 - gpu, abs=2e-4)
+    assert d["hit_ratio"] == pytest.approx(disk, abs=1e-4)
+    saved, overhead = time_model(ENGINE, gpu, l1, disk)
+    assert d["prefill_saved_fraction"] == pytest.approx(saved, abs=3e-4)
+    assert d["miss_overhead_fraction"] == pytest.approx(overhead, abs=3e-4)
+    assert d["recommendation"] == ("enable" if saved > overhead else "leave-off") == "enable"
+    assert doc["kvops_yaml"]["offload"] == {"l1_gib": 500.0, "chunk_size": 256, "disk_path": "/var/lib/kvops/lmcache",
+                                            "disk_gib": 1974.5, "transfer_mode": "engine_driven"}
+    assert d["commands"] == ["kvops offload serve --config kvops.yaml", doc["serve"]]
+
+
+def prefixes(mode: str, distinct: int, prefix: int, mean: int, *extra: str) -> dict:
+    return plan("--max-model-len", "8192", "--p50", str(mean), "--p95", str(mean), "--p99", str(mean),
+                "--distinct-prefixes", str(distinct), "--prefix-tokens", str(prefix), "--offload-mode", mode, *extra)
+
+
+def test_distinct_prefixes_hand_computed():
+    # 400 prefixes of 3,000 tokens leading 4,000-token requests: 75% of prompt tokens reusable.
+    # GPU: 3,008 tokens a prefix in 16-token blocks; L1: 400 × 3,072 (256-token chunks) × 131,072 B
+    # = 150 GiB, × 1.25 LRU headroom = 187.5 GiB, which holds all 400.
+    doc = prefixes("engine_driven", 400, 3000, 4000)
+    d, gpu_tokens = doc["offload_decision"], doc["capacity"]["kv_cache_size_tokens"]
+    gpu = 0.75 * min(1, (gpu_tokens // 3008) / 400)
+    assert (d["l1_gib"], d["disk_gib"], d["gpu_cache_tokens"]) == (187.5, None, gpu_tokens)
+    assert d["gpu_hit_ratio"] == round(gpu, 4)
+    assert (d["hit_ratio"], d["l1_hit_ratio"], d["disk_hit_ratio"]) == (0.75, round(0.75 - gpu, 4), 0.0)
+    saved, overhead = time_model(ENGINE, gpu, 0.75, 0.75)
+    assert (d["prefill_saved_fraction"], d["miss_overhead_fraction"]) == (round(saved, 4), round(overhead, 4))
+    assert d["recommendation"] == "enable"
+    assert doc["offload"]["lmcache_cpu_gib"] == 187.5
+
+
+@pytest.mark.parametrize(("mode", "costs", "verdict"), [
+    ("auto", ENGINE, "leave-off"),  # auto on a GPU plan: engine_driven
+    ("lmcache_driven", LMCACHE, "enable"),
+])
+def test_saving_below_the_miss_overhead_leaves_it_off(mode, costs, verdict):
+    # 10,000 prefixes of 1,000 tokens leading 5,000-token requests: 20% reusable; the GPU holds
+    # 431 of 1,008-token prefixes; L1 (10,000 × 1,024 × 131,072 B × 1.25 = 1,562.5 GiB) holds all.
+    doc = prefixes(mode, 10_000, 1000, 5000)
+    d, gpu_tokens = doc["offload_decision"], doc["capacity"]["kv_cache_size_tokens"]
+    gpu = 0.2 * (gpu_tokens // 1008) / 10_000
+    saved, overhead = time_model(costs, gpu, 0.2, 0.2)
+    assert (d["prefill_saved_fraction"], d["miss_overhead_fraction"]) == (round(saved, 4), round(overhead, 4))
+    assert d["recommendation"] == verdict
+    assert d["costs"]["transfer_mode"] == ("engine_driven" if mode == "auto" else mode)
+    if verdict == "leave-off":
+        assert d["reason"].startswith("leave it off: L1 and disk hits would save")
+        assert (d["l1_gib"], d["commands"], doc["offload"]["lmcache_cpu_gib"]) == (None, [], None)
+        assert "offload" not in doc["kvops_yaml"]
+        assert doc["offload"]["warning"] == d["reason"]
+    else:
+        assert doc["kvops_yaml"]["offload"]["l1_gib"] == d["l1_gib"] == 1562.5
+        assert doc["kvops_yaml"]["offload"]["transfer_mode"] == "lmcache_driven"
+
+
+def test_gpu_holding_the_working_set_leaves_it_off():
+    doc = prefixes("engine_driven", 10, 2000, 4000)
+    d = doc["offload_decision"]
+    assert (d["gpu_hit_ratio"], d["hit_ratio"], d["recommendation"]) == (0.5, 0.5, "leave-off")
+    assert "the GPU KV cache alone finds 50.0%" in d["reason"]
+
+
+def test_no_reuse_given_leaves_it_off():
+    d = plan("--max-model-len", "8192", "--offload-mode", "engine_driven")["offload_decision"]
+    assert d["recommendation"] == "leave-off"
+    assert d["reason"].startswith("leave it off: no prefix reuse given")
+
+
+def bench_json(path: Path, **fields: object) -> Path:
+    doc = {"prompt_tokens": 2048, "transfer_mode": "engine_driven", "l1_ttft_ratio": 0.05,
+           "disk_ttft_ratio": 0.08, "miss_overhead_ratio": 0.01, **fields}
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_measured_costs_from_a_bench_json_replace_the_built_in_ones(tmp_path):
+    costs = bench_json(tmp_path / "bench.json")
+    doc = prefixes("engine_driven", 10_000, 1000, 5000, "--offload-costs", str(costs))
+    d = doc["offload_decision"]
+    gpu = 0.2 * (doc["capacity"]["kv_cache_size_tokens"] // 1008) / 10_000
+    saved, overhead = time_model((0.05, 0.08, 0.01), gpu, 0.2, 0.2)
+    assert (d["prefill_saved_fraction"], d["miss_overhead_fraction"]) == (round(saved, 4), round(overhead, 4))
+    assert d["recommendation"] == "enable"  # engine_driven's built-in +27% left it off
+    assert str(costs) in d["costs"]["source"]
+
+
+@pytest.mark.parametrize(("fields", "args", "message"), [
+    ({}, ["--offload-mode", "lmcache_driven"], "measured engine_driven"),
+    ({"miss_overhead_ratio": "fast"}, [], "miss_overhead_ratio is 'fast'"),
+    ({"transfer_mode": "pickle"}, [], "transfer_mode 'pickle'"),
+])
+def test_bad_costs_exit_2_naming_the_field(tmp_path, fields, args, message):
+    costs = bench_json(tmp_path / "bench.json", **fields)
+    res = invoke("--max-model-len", "8192", "--offload-costs", str(costs), *args)
+    assert res.exit_code == 2
+    assert message in res.stderr
+
+
+def test_unknown_mode_exits_2():
+    res = invoke("--max-model-len", "8192", "--offload-mode", "fast")
+    assert res.exit_code == 2
+    assert "--offload-mode 'fast'" in res.stderr
+
+
+def test_readable_plan_says_what_to_do():
+    res = invoke("--max-model-len", "8192", "--p50", "4000", "--distinct-prefixes", "400", "--prefix-tokens", "3000",
+                 "--offload-mode", "engine_driven")
+    assert res.exit_code == 0, res.output
+    assert "offload (engine_driven, as --offload-mode asked): enable:" in res.stdout
+    assert "    kvops offload serve --config kvops.yaml" in res.stdout
+    res = invoke("--max-model-len", "8192", "--offload-mode", "engine_driven")
+    assert "offload (engine_driven, as --offload-mode asked): leave it off: no prefix reuse" in res.stdout
+
+
+def test_without_the_options_the_plan_has_no_decision():
+    doc = plan("--max-model-len", "8192", "--distinct-prefixes", "400", "--prefix-tokens", "3000")
+    assert "offload_decision" not in doc
+    assert "transfer_mode" not in doc["kvops_yaml"]["offload"]
+
+
+def test_auto_on_a_cpu_plan_judges_the_zero_copy_mode_and_leaves_the_setting_auto():
+    doc = plan("--device", "cpu", "--memory-gib", "64", "--max-model-len", "8192", "--p50", "5000",
+               "--distinct-prefixes", "10000", "--prefix-tokens", "1000", "--offload-mode", "auto")
+    d = doc["offload_decision"]
+    assert d["costs"]["transfer_mode"] == "lmcache_driven"
+    assert d["transfer_mode"].startswith("lmcache_driven (auto on --device cpu")
+    assert d["recommendation"] == "enable"
+    assert "transfer_mode" not in doc["kvops_yaml"]["offload"]  # the plugin's own auto picks it
