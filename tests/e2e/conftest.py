@@ -17,11 +17,13 @@ gives the log of any server for assertions on what vLLM printed.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,9 @@ the plugin-free 2048-token server three times, ~50 s a start)."""
 SHARED_ARGS = {("--max-model-len", "1024"), ("--max-model-len", "2048")}
 """The configurations most e2e tests share (1 GiB of KV, no env): evicted last."""
 REFUSING_AT_ONCE = 3
+START_AT_ONCE = 2
+"""Servers ``VllmServers.many`` starts at a time, one per core. Measured here: two side by side
+ready in 47 s each (one alone: 40 s); four at once in 116 s each, slower than two pairs."""
 STARTS: list[tuple[str, float]] = []
 """Every `vllm serve` the pool started this session: its arguments and seconds to ready."""
 
@@ -68,6 +73,37 @@ class TinyModels:
         return self._built[spec]
 
 
+@dataclass(frozen=True)
+class Want:
+    """One pool configuration, as ``vllm(model, *args, kv_cache_bytes=..., env=...)`` takes it;
+    in a module's SERVERS, ``model=None`` is the session's default tiny model."""
+
+    model: Path | None
+    args: tuple[str, ...] = ()
+    kv_cache_bytes: int | None = 1 << 30
+    env: dict[str, str] | None = None
+    fresh: bool = False
+
+    def on(self, default: Path) -> Want:
+        return self if self.model is not None else replace(self, model=default)
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        return (str(self.model), tuple(self.args), self.kv_cache_bytes, tuple(sorted((self.env or {}).items())))
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all bound at once, so two starts never share one)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 class VllmServers:
     """Session pool of started `vllm serve` processes keyed by their configuration."""
 
@@ -86,26 +122,54 @@ class VllmServers:
         env: dict[str, str] | None = None,
         fresh: bool = False,
     ) -> ManagedServer:
-        key = (str(model), args, kv_cache_bytes, tuple(sorted((env or {}).items())))
-        server = self._live.get(key)
-        if server is not None and not fresh and server.returncode() is None:
-            self._live.move_to_end(key)
-            return server
-        if server is not None:
-            self._stop(key)
-        while self._live and (len(self._live) >= MAX_LIVE_SERVERS
-                              or not memory_for(1, kv_cache_bytes or 0)):
-            self._stop(self._victim())
-        self._count += 1
-        server = vllm_server(
-            model, args, kv_cache_bytes=kv_cache_bytes, env=env,
-            log_path=self.log_dir / f"vllm-{self._count}.log", name=f"vllm-{self._count}",
-        )
-        began = time.monotonic()
-        server.start()
-        STARTS.append((" ".join((Path(model).name, *args)), time.monotonic() - began))
-        self._live[key] = server
-        return server
+        return self.many(Want(model, args, kv_cache_bytes, env, fresh))[0]
+
+    def many(self, *wants: Want) -> list[ManagedServer]:
+        """The servers of these configurations, those not alive started side by side: a start
+        is three Python processes importing vLLM one after another, one core's work, so two
+        starts on the two cores take about the time of one (a test that compares a feature
+        server with a plugin-free one, or a module's configurations, asks for them together)."""
+        todo: dict[tuple[object, ...], Want] = {}
+        for want in wants:
+            server = self._live.get(want.key)
+            if server is not None and not want.fresh and server.returncode() is None:
+                self._live.move_to_end(want.key)
+                continue
+            if server is not None:
+                self._stop(want.key)
+            todo[want.key] = want
+        kv_bytes = sum(w.kv_cache_bytes or 0 for w in todo.values())
+        keep = {w.key for w in wants}
+        while todo and any(k not in keep for k in self._live) and (
+                len(self._live) + len(todo) > MAX_LIVE_SERVERS or not memory_for(len(todo), kv_bytes)):
+            self._stop(self._victim(keep))
+        started = self._start_together(list(todo.values()))
+        self._live.update(started)
+        return [self._live[w.key] for w in wants]
+
+    def _start_together(self, wants: list[Want]) -> dict[tuple[object, ...], ManagedServer]:
+        servers: dict[tuple[object, ...], ManagedServer] = {}
+        for want, port in zip(wants, free_ports(len(wants)), strict=True):
+            self._count += 1
+            servers[want.key] = vllm_server(
+                want.model, want.args, kv_cache_bytes=want.kv_cache_bytes, env=want.env, port=port,
+                log_path=self.log_dir / f"vllm-{self._count}.log", name=f"vllm-{self._count}",
+            )
+
+        def start(item: tuple[Want, ManagedServer]) -> None:
+            want, server = item
+            began = time.monotonic()
+            server.start()
+            STARTS.append((" ".join((Path(want.model).name, *want.args)), time.monotonic() - began))
+
+        with ThreadPoolExecutor(min(START_AT_ONCE, max(1, len(servers)))) as pool:
+            outcomes = [pool.submit(start, item) for item in zip(wants, servers.values(), strict=True)]
+            failures = [f.exception() for f in outcomes if f.exception() is not None]
+        if failures:
+            for server in servers.values():
+                server.stop()
+            raise failures[0]  # type: ignore[misc]
+        return servers
 
     def refusals_ahead(self, starts: list[tuple[Path, tuple[str, ...], dict[str, str] | None]]) -> None:
         """Start these servers that must refuse to start, REFUSING_AT_ONCE at a time, now;
@@ -164,11 +228,14 @@ class VllmServers:
                               or not memory_for(outside, outside << 30)):
             self._stop(self._victim())
 
-    def _victim(self) -> tuple[object, ...]:
+    def _victim(self, keep: set[tuple[object, ...]] | None = None) -> tuple[object, ...]:
         """The least recently used server, sparing the two default configurations (SHARED_ARGS)
-        while another can go: most tests use them, and plain LRU restarted each three times."""
-        spare = [k for k in self._live if not _shared(k)]
-        return spare[0] if spare else next(iter(self._live))
+        while another can go: most tests use them, and plain LRU restarted each three times.
+        Never one of ``keep`` (the servers asked for together) while another can go."""
+        keep = keep or set()
+        candidates = [k for k in self._live if k not in keep] or list(self._live)
+        spare = [k for k in candidates if not _shared(k)]
+        return spare[0] if spare else candidates[0]
 
 
 def available_gib() -> float:
@@ -205,6 +272,18 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServers]:
     servers = VllmServers(tmp_path_factory.mktemp("server-logs"))
     yield servers
     servers.stop_all()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_servers(request: pytest.FixtureRequest) -> None:
+    """The servers a module lists in SERVERS (Want, model None = the default tiny model),
+    started together before its first test (VllmServers.many); its tests then find them alive
+    in the pool. A module whose tests each need their own configuration otherwise pays one
+    start after another."""
+    wants = getattr(request.module, "SERVERS", ())
+    if wants:
+        tiny = request.getfixturevalue("tiny_model")
+        request.getfixturevalue("vllm").many(*(w.on(tiny) for w in wants))
 
 
 ServerFactory = Callable[..., ManagedServer]

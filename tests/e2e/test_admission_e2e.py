@@ -20,6 +20,8 @@ import requests
 
 from kvops.ops.bench.admission_load import Outcome, open_loop, scrape_counter
 
+from .conftest import Want
+
 pytestmark = pytest.mark.e2e
 
 BLOCK_TOKENS = 128
@@ -30,6 +32,10 @@ ADMISSION = {"kvops": {"admission": {
     "policy": "strict", "max_queued_requests": 6, "tenants": {"small": {"max_in_flight": 1}},
     "default_tenant": {"max_in_flight": 1000},  # every other tenant: its own, generous budget
 }}}
+SERVERS = (  # started together before the first test (conftest.module_servers)
+    Want(None, (*ARGS, "--additional-config", json.dumps(ADMISSION)), kv_cache_bytes=KV_BYTES),
+    Want(None, ARGS, kv_cache_bytes=KV_BYTES, env={"VLLM_PLUGINS": "none"}),
+)
 PROMPT = "the cache holds keys and values for every token it has seen so far " * 3
 OUTPUT_TOKENS = 150  # prompt (~45) + 150 crosses a block boundary: 2 blocks per sequence
 

@@ -24,6 +24,9 @@ from kvops.ops.bench.fp8 import kv_tokens_from_log
 from kvops.ops.fp8.accuracy import Drift, ScoredSequence, drift, score
 from kvops.ops.fp8.calibrate import CalibrationRequest, collect_scales, synthetic_prompts
 from kvops.ops.fp8.kv_scaled_model import build_kv_scaled_model
+from kvops.ops.launch import ManagedServer
+
+from .conftest import Want
 
 pytestmark = pytest.mark.e2e
 
@@ -45,46 +48,95 @@ class Fp8Run:
     calibrated_metrics: str
 
 
-def _measure(vllm, model: Path, work: Path) -> Fp8Run:
-    record_dir = work / "record"
-    cfg = json.dumps({"kvops": {"kv_scales": {"record": str(record_dir)}}})
-    recording = vllm(model, *LEN, "--additional-config", cfg)
-    req = CalibrationRequest(model_dir=model, prompts=synthetic_prompts(8, seed=1))
-    scales = collect_scales(req, recording.url, record_dir)
-    reference = score(recording.url, str(model))
-    bf16_tokens = kv_tokens_from_log(vllm.log_of(recording))
-    scales_path = work / "scales.json"
-    scales_path.write_text(json.dumps(scales.model_dump()))
+KV_BYTES = 256 << 20  # 128 Ki bf16 tokens: room for every scored sequence, a quarter of the memory
 
-    plain = vllm(model, *LEN, "--kv-cache-dtype", "fp8")
-    scale1 = drift(reference, score(plain.url, str(model)))
-    cfg = json.dumps({"kvops": {"kv_scales": str(scales_path)}})
-    calibrated = vllm(model, *LEN, "--kv-cache-dtype", "fp8", "--additional-config", cfg)
+
+def _want(model: Path, *args: str) -> Want:
+    return Want(model, (*LEN, *args), kv_cache_bytes=KV_BYTES)
+
+
+def _recording(work: Path) -> Want:
+    cfg = json.dumps({"kvops": {"kv_scales": {"record": str(work / "record")}}})
+    return _want(work / "model", "--additional-config", cfg)
+
+
+def _calibrated(work: Path) -> Want:
+    return _want(work / "model", "--kv-cache-dtype", "fp8", "--additional-config",
+                 json.dumps({"kvops": {"kv_scales": str(work / "scales.json")}}))
+
+
+@dataclass
+class _Half:
+    """What the bf16 recording server and the scale-1.0 fp8 server measured of one model."""
+
+    work: Path
+    reference: list[ScoredSequence]
+    scales: ScalesFile
+    bf16_tokens: int
+    scale1: Drift
+    scale1_log: str
+
+
+def _first_half(vllm, work: Path, recording: ManagedServer, plain: ManagedServer) -> _Half:
+    model = work / "model"
+    req = CalibrationRequest(model_dir=model, prompts=synthetic_prompts(8, seed=1))
+    scales = collect_scales(req, recording.url, work / "record")
+    reference = score(recording.url, str(model))
+    (work / "scales.json").write_text(json.dumps(scales.model_dump()))
+    return _Half(work=work, reference=reference, scales=scales,
+                 bf16_tokens=kv_tokens_from_log(vllm.log_of(recording)),
+                 scale1=drift(reference, score(plain.url, str(model))), scale1_log=vllm.log_of(plain))
+
+
+def _second_half(vllm, half: _Half, calibrated: ManagedServer) -> Fp8Run:
+    model = half.work / "model"
     return Fp8Run(
-        model=model, reference=reference, scales=scales, scales_path=scales_path, bf16_tokens=bf16_tokens,
+        model=model, reference=half.reference, scales=half.scales,
+        scales_path=half.work / "scales.json", bf16_tokens=half.bf16_tokens,
         fp8_tokens=kv_tokens_from_log(vllm.log_of(calibrated)),
-        scale1=scale1, calibrated=drift(reference, score(calibrated.url, str(model))),
-        scale1_log=vllm.log_of(plain), calibrated_log=vllm.log_of(calibrated),
+        scale1=half.scale1, calibrated=drift(half.reference, score(calibrated.url, str(model))),
+        scale1_log=half.scale1_log, calibrated_log=vllm.log_of(calibrated),
         calibrated_metrics=requests.get(calibrated.url + "/metrics", timeout=10).text,
     )
 
 
 @pytest.fixture(scope="module")
-def saturating(vllm, tmp_path_factory) -> Fp8Run:
-    work = tmp_path_factory.mktemp("fp8-saturating")
-    return _measure(vllm, build_kv_scaled_model(work / "model", 1000.0), work)
+def fp8_runs(vllm, tmp_path_factory) -> dict[str, Fp8Run]:
+    """Each model served three ways: bf16 KV recording K/V (the calibration, and the reference
+    logprobs), fp8 KV at scale 1.0, fp8 KV with the calibrated scales. Nine servers, asked for
+    four at once where nothing waits on another's result and started two at a time (one per
+    core, conftest.START_AT_ONCE): both first halves of the saturating and underflowing models,
+    then their calibrated servers and the ordinary model's first half, then its calibrated one."""
+    works = {}
+    for name, factor in (("saturating", 1000.0), ("underflowing", 0.001), ("ordinary", 1.0)):
+        works[name] = tmp_path_factory.mktemp(f"fp8-{name}")
+        build_kv_scaled_model(works[name] / "model", factor)
+    sat, und, ordinary = works["saturating"], works["underflowing"], works["ordinary"]
+    plain = {name: _want(work / "model", "--kv-cache-dtype", "fp8") for name, work in works.items()}
+    servers = vllm.many(_recording(sat), plain["saturating"], _recording(und), plain["underflowing"])
+    halves = {"saturating": _first_half(vllm, sat, *servers[:2]),
+              "underflowing": _first_half(vllm, und, *servers[2:])}
+    servers = vllm.many(_calibrated(sat), _calibrated(und), _recording(ordinary), plain["ordinary"])
+    runs = {"saturating": _second_half(vllm, halves["saturating"], servers[0]),
+            "underflowing": _second_half(vllm, halves["underflowing"], servers[1])}
+    half = _first_half(vllm, ordinary, *servers[2:])
+    runs["ordinary"] = _second_half(vllm, half, vllm.many(_calibrated(ordinary))[0])
+    return runs
 
 
 @pytest.fixture(scope="module")
-def underflowing(vllm, tmp_path_factory) -> Fp8Run:
-    work = tmp_path_factory.mktemp("fp8-underflowing")
-    return _measure(vllm, build_kv_scaled_model(work / "model", 0.001), work)
+def saturating(fp8_runs: dict[str, Fp8Run]) -> Fp8Run:
+    return fp8_runs["saturating"]
 
 
 @pytest.fixture(scope="module")
-def ordinary(vllm, tmp_path_factory) -> Fp8Run:
-    work = tmp_path_factory.mktemp("fp8-ordinary")
-    return _measure(vllm, build_kv_scaled_model(work / "model", 1.0), work)
+def underflowing(fp8_runs: dict[str, Fp8Run]) -> Fp8Run:
+    return fp8_runs["underflowing"]
+
+
+@pytest.fixture(scope="module")
+def ordinary(fp8_runs: dict[str, Fp8Run]) -> Fp8Run:
+    return fp8_runs["ordinary"]
 
 
 @needs_fp8_cpu
@@ -173,14 +225,16 @@ def test_checkpoint_scales_win_unless_overridden(vllm, saturating: Fp8Run, tmp_p
     path = model.parent / "ones.json"
     path.write_text(json.dumps(ones))
 
-    kept = vllm(model, *LEN, "--kv-cache-dtype", "fp8", "--additional-config",
-                json.dumps({"kvops": {"kv_scales": str(path)}}))
+    kept, forced = vllm.many(
+        _want(model, "--kv-cache-dtype", "fp8", "--additional-config",
+              json.dumps({"kvops": {"kv_scales": str(path)}})),
+        _want(model, "--kv-cache-dtype", "fp8", "--additional-config",
+              json.dumps({"kvops": {"kv_scales": {"path": str(path), "override_checkpoint": True}}})),
+    )
     assert f"with the checkpoint's k/v scales; kv_scales {path} ignored" in vllm.log_of(kept)
     kept_drift = drift(saturating.reference, score(kept.url, str(model)))
     assert kept_drift.mean_abs_logprob_delta < saturating.scale1.mean_abs_logprob_delta / 4
 
-    forced = vllm(model, *LEN, "--kv-cache-dtype", "fp8", "--additional-config",
-                  json.dumps({"kvops": {"kv_scales": {"path": str(path), "override_checkpoint": True}}}))
     assert "(overriding the checkpoint's)" in vllm.log_of(forced)
     forced_drift = drift(saturating.reference, score(forced.url, str(model)))
     assert forced_drift.mean_abs_logprob_delta > 4 * kept_drift.mean_abs_logprob_delta

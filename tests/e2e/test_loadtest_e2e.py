@@ -13,12 +13,21 @@ from typer.testing import CliRunner
 
 from kvops.ops.cli.main import app
 
+from .conftest import Want
 from .starved import RERUNS, client_bound, note_rerun
 
 pytestmark = pytest.mark.e2e
 
 BLOCK_BYTES = 128 * 4 * 2 * 64 * 2 * 2  # block 128 × 4 layers × 2 KV heads × 64 × K,V × bf16
 SMALL_KV_BLOCKS = 12
+LEN = ("--max-model-len", "2048")
+SERVERS = (  # started together before the first test (conftest.module_servers)
+    Want(None, ("--max-model-len", "1024"), kv_cache_bytes=SMALL_KV_BLOCKS * BLOCK_BYTES),
+    Want(None, LEN),
+    Want(None, (*LEN, "--max-num-seqs", "2")),
+    Want(None, (*LEN, "--max-num-batched-tokens", "32", "--max-num-seqs", "32")),
+    Want(None, (*LEN, "--no-enable-prefix-caching")),
+)
 
 
 def loadtest(tmp_path, scenario: str, url: str, *args: str) -> tuple[int, dict]:

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from kvops.ops.cli.main import app
 
+from .conftest import Want
 from .starved import RERUNS, client_bound, note_rerun
 
 pytestmark = pytest.mark.e2e
@@ -58,6 +59,11 @@ def two_seqs(vllm, tiny_model):
 # --- KV limits set by the server's flags, found by the default (sized) ramp ---------------
 
 OVERRIDE_BLOCKS = 31
+SERVERS = (  # started together before the first test (conftest.module_servers)
+    Want(None, ("--max-model-len", "2048")),
+    Want(None, ("--max-model-len", "2048", "--max-num-seqs", "2")),
+    Want(None, ("--max-model-len", "1024", "--num-gpu-blocks-override", str(OVERRIDE_BLOCKS))),
+)
 
 
 def test_kv_limit_from_num_gpu_blocks_override(vllm, tiny_model, tmp_path):

@@ -28,6 +28,8 @@ from kvops.core.proc import free_port
 from kvops.ops.bench import greedy
 from kvops.ops.launch import ManagedServer
 
+from .conftest import Want
+
 pytestmark = pytest.mark.e2e
 
 PROMPT_TOKENS = 600  # two full 256-token LMCache chunks (512 tokens) + a tail vLLM computes
@@ -127,10 +129,14 @@ def lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
 
 @pytest.fixture(scope="module")
 def offload_vllm(vllm, tiny_model, lmcache) -> ManagedServer:
-    return vllm(
-        tiny_model, "--max-model-len", "2048", "--enable-prompt-tokens-details",
-        "--additional-config", lmcache.vllm_settings(), env={"VLLM_SERVER_DEV_MODE": "1"},
+    """The offload server, started beside the plugin-free one the module compares it with."""
+    offload, _stock = vllm.many(
+        Want(tiny_model, ("--max-model-len", "2048", "--enable-prompt-tokens-details",
+                          "--additional-config", lmcache.vllm_settings()),
+             env={"VLLM_SERVER_DEV_MODE": "1"}),
+        Want(tiny_model, ("--max-model-len", "2048"), env={"VLLM_PLUGINS": "none"}),
     )
+    return offload
 
 
 @pytest.fixture(scope="module")
@@ -149,25 +155,34 @@ def cached_tokens(response: dict[str, Any]) -> int:
     return int(response["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
-@pytest.mark.parametrize(
-    ("override", "expected"),
-    [
-        ({"port": "closed", "http_port": "closed"}, "LMCache server not reachable at"),
-        ({"port": "other"}, "serves KV on port"),
-        ({"disk_path": "/proc/kvops-offload"}, "is not writable"),
-        ({"disk_gib": 1e7}, "GiB free"),
-    ],
-    ids=["lmcache-down", "wrong-port", "unwritable-disk", "disk-too-small"],
-)
-def test_bad_offload_setup_refuses_to_start_with_one_line(vllm, tiny_model, lmcache, override, expected):
-    settings = {**lmcache.settings, **override}
-    for key in ("port", "http_port"):
-        if settings[key] in ("closed", "other"):
-            settings[key] = free_port()
-    code, log = vllm.start_expecting_failure(
-        tiny_model, "--max-model-len", "2048",
-        "--additional-config", json.dumps({"kvops": {"offload": settings}}),
-    )
+BAD_SETUPS = {
+    "lmcache-down": ({"port": "closed", "http_port": "closed"}, "LMCache server not reachable at"),
+    "wrong-port": ({"port": "other"}, "serves KV on port"),
+    "unwritable-disk": ({"disk_path": "/proc/kvops-offload"}, "is not writable"),
+    "disk-too-small": ({"disk_gib": 1e7}, "GiB free"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_setups(vllm, tiny_model, lmcache) -> dict[str, tuple[str, ...]]:
+    """Each bad setup's server arguments; the refusals start three at a time
+    (VllmServers.refusals_ahead) and each test reads its own outcome."""
+    args = {}
+    for name, (override, _) in BAD_SETUPS.items():
+        settings = {**lmcache.settings, **override}
+        for key in ("port", "http_port"):
+            if settings[key] in ("closed", "other"):
+                settings[key] = free_port()
+        args[name] = ("--max-model-len", "2048", "--additional-config",
+                      json.dumps({"kvops": {"offload": settings}}))
+    vllm.refusals_ahead([(tiny_model, a, None) for a in args.values()])
+    return args
+
+
+@pytest.mark.parametrize("setup", list(BAD_SETUPS))
+def test_bad_offload_setup_refuses_to_start_with_one_line(vllm, tiny_model, bad_setups, setup):
+    expected = BAD_SETUPS[setup][1]
+    code, log = vllm.start_expecting_failure(tiny_model, *bad_setups[setup])
     assert code == 2, log[-3000:]
     reasons = [line for line in log.splitlines() if line.startswith("kvops: refusing to start:")]
     assert len(reasons) == 1, log[-3000:]

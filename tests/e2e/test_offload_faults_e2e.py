@@ -40,6 +40,7 @@ from kvops.ops.bench import greedy
 from kvops.ops.bench.chaos_faults import remount
 from kvops.ops.launch import ManagedServer, ServerStartError, vllm_server
 
+from .conftest import Want
 from .test_offload_e2e import (
     DISK_GIB,
     Lmcache,
@@ -146,9 +147,8 @@ STOCK_ARGS = ("--max-model-len", "2048")
 
 
 @pytest.fixture(scope="module")
-def load_stock_outputs(vllm, tiny_model) -> dict[int, str]:
-    """Greedy outputs of a server without the plugin (before faults_vllm starts, so the pool
-    of live servers never stops the faults server under a test)."""
+def load_stock_outputs(vllm, tiny_model, faults_vllm) -> dict[int, str]:
+    """Greedy outputs of the server without the plugin that faults_vllm started beside it."""
     stock = vllm(tiny_model, *STOCK_ARGS, env={"VLLM_PLUGINS": "none"})
     return {seed: complete(stock.url, tiny_model, token_prompt(seed))["choices"][0]["text"]
             for seed in LOAD_SEEDS}
@@ -171,11 +171,16 @@ def _assert_greedy(vllm, model: Path, got: dict[int, greedy.Completion], stock: 
 
 
 @pytest.fixture(scope="module")
-def faults_vllm(vllm, tiny_model, tmpfs_lmcache, load_stock_outputs) -> ManagedServer:
-    return vllm(
-        tiny_model, "--max-model-len", "2048", "--enable-prompt-tokens-details",
-        "--additional-config", tmpfs_lmcache.vllm_settings(), env={"VLLM_SERVER_DEV_MODE": "1"},
+def faults_vllm(vllm, tiny_model, tmpfs_lmcache) -> ManagedServer:
+    """The offload server on the tmpfs LMCache, started beside the plugin-free one whose greedy
+    outputs are the oracle (load_stock_outputs)."""
+    faults, _stock = vllm.many(
+        Want(tiny_model, ("--max-model-len", "2048", "--enable-prompt-tokens-details",
+                          "--additional-config", tmpfs_lmcache.vllm_settings()),
+             env={"VLLM_SERVER_DEV_MODE": "1"}),
+        Want(tiny_model, STOCK_ARGS, env={"VLLM_PLUGINS": "none"}),
     )
+    return faults
 
 
 def _stores(lmcache: Lmcache) -> tuple[float, float]:

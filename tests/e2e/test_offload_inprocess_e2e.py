@@ -29,16 +29,25 @@ LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_CHUNK_SIZE": "256"}
 DEV_ENV = {**LMCACHE_ENV, "VLLM_SERVER_DEV_MODE": "1"}  # for /reset_prefix_cache
 
 
-@pytest.mark.parametrize(
-    ("transfer", "offload"),
-    [(IN_PROCESS, {}), (MULTI, {}), (None, {"lmcache_mode": "in_process"})],
-    ids=["direct", "inside-multi-connector", "lmcache-mode-in-process"],
-)
-def test_in_process_connector_with_offload_section_refuses_on_cpu(vllm, tiny_model, transfer, offload):
-    args = ["--additional-config", json.dumps({"kvops": {"offload": offload}})]
-    if transfer is not None:
-        args += ["--kv-transfer-config", json.dumps(transfer)]
-    code, log = vllm.start_expecting_failure(tiny_model, *LEN, *args, env=LMCACHE_ENV)
+REFUSALS = [(IN_PROCESS, {}), (MULTI, {}), (None, {"lmcache_mode": "in_process"})]
+
+
+def _refusal_args(transfer: dict | None, offload: dict) -> tuple[str, ...]:
+    args = (*LEN, "--additional-config", json.dumps({"kvops": {"offload": offload}}))
+    return args if transfer is None else (*args, "--kv-transfer-config", json.dumps(transfer))
+
+
+@pytest.fixture(scope="module")
+def refusals_started(vllm, tiny_model) -> None:
+    """The three refusals start side by side (VllmServers.refusals_ahead); each test reads its own."""
+    vllm.refusals_ahead([(tiny_model, _refusal_args(*r), LMCACHE_ENV) for r in REFUSALS])
+
+
+@pytest.mark.parametrize(("transfer", "offload"), REFUSALS,
+                         ids=["direct", "inside-multi-connector", "lmcache-mode-in-process"])
+def test_in_process_connector_with_offload_section_refuses_on_cpu(vllm, tiny_model, refusals_started,
+                                                                   transfer, offload):
+    code, log = vllm.start_expecting_failure(tiny_model, *_refusal_args(transfer, offload), env=LMCACHE_ENV)
     assert code == 2, log[-3000:]
     reasons = [line for line in log.splitlines() if line.startswith("kvops: refusing to start:")]
     assert len(reasons) == 1, log[-3000:]

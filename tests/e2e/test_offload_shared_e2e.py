@@ -20,6 +20,7 @@ from kvops.core.proc import free_port
 from kvops.ops.launch import ManagedServer
 from kvops.ops.offload.server import lmcache_server
 
+from .conftest import Want
 from .test_offload_e2e import (
     CHUNK_TOKENS,
     cached_tokens,
@@ -100,11 +101,10 @@ def two_lmcache(redis_port: int, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def test_prefix_computed_on_one_server_is_a_hit_on_the_other(vllm, tiny_model, two_lmcache):
-    servers = [
-        vllm(tiny_model, "--max-model-len", "2048", "--enable-prompt-tokens-details",
-             "--additional-config", json.dumps({"kvops": {"offload": settings.model_dump()}}))
-        for settings, _ in two_lmcache
-    ]
+    servers = vllm.many(*(  # side by side: one start's time
+        Want(tiny_model, ("--max-model-len", "2048", "--enable-prompt-tokens-details",
+                          "--additional-config", json.dumps({"kvops": {"offload": settings.model_dump()}})))
+        for settings, _ in two_lmcache))
     (_, lmcache_a), (_, lmcache_b) = two_lmcache
     prompt = token_prompt(7)
 

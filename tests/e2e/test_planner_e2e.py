@@ -4,17 +4,20 @@ predict, and a calibration written from a server's log must let a plan predict t
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
 
 import pytest
 import requests
-from fp8_cpu import needs_fp8_cpu
+from fp8_cpu import CPU_RUNS_FP8, needs_fp8_cpu
 from typer.testing import CliRunner
 
 from kvops.ops.capacity.verify import parse_log, parse_metrics
 from kvops.ops.cli.main import app
+
+from .conftest import Want
 
 pytestmark = pytest.mark.e2e
 
@@ -33,10 +36,12 @@ PLUGIN_ARGS = ("--additional-config", '{"kvops": {}}')
 CALIBRATION_REQUEST_GIB = 1.6
 
 
+@functools.cache
 def calibration_util() -> str:
     """A utilization asking for about CALIBRATION_REQUEST_GIB of the node's memory as vLLM reads
     it (MemTotal of NUMA node 0, vllm/utils/cpu_resource_utils.py:189-217); this shared machine's
-    total changes over time, so it is read when the test runs."""
+    total changes over time, so it is read when the module runs (once: the server started for
+    it and the plan written for it must ask for the same)."""
     meminfo = Path("/sys/devices/system/node/node0/meminfo")
     if meminfo.exists():
         line = next(x for x in meminfo.read_text().splitlines() if "MemTotal:" in x)
@@ -58,12 +63,32 @@ def planned(model_dir: Path, kv_dtype: str, kv_bytes: int, mml: int) -> dict[str
     return out
 
 
+def _case_want(model_dir: Path, kv_dtype: str, kv_bytes: int, mml: int) -> Want:
+    args = ("--max-model-len", str(mml), *(("--kv-cache-dtype", kv_dtype) if kv_dtype != "auto" else ()))
+    # Our plugin is loaded (the default) with empty kvops settings: sizing must stay vLLM's own.
+    return Want(model_dir, (*args, *PLUGIN_ARGS), kv_cache_bytes=kv_bytes)
+
+
+def _calibration_want(tiny_model: Path) -> Want:
+    # No --kv-cache-memory-bytes: the server sizes KV from --gpu-memory-utilization and logs
+    # the requested memory and its non-KV RSS, which `kvops verify --calibration-out` reads.
+    return Want(tiny_model, ("--max-model-len", "2048", "--gpu-memory-utilization", calibration_util(),
+                             *PLUGIN_ARGS), kv_cache_bytes=None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _servers_together(vllm, tiny_models) -> None:
+    """Every server of the module asked for at once (VllmServers.many starts them two at a
+    time, one per core); each test then finds its own alive."""
+    cases = [c.values if hasattr(c, "values") else c for c in CASES]
+    vllm.many(*(_case_want(tiny_models(**shape), *rest) for shape, *rest in cases
+                if CPU_RUNS_FP8 or rest[0] != "fp8"), _calibration_want(tiny_models()))
+
+
 @pytest.mark.parametrize(("shape", "kv_dtype", "kv_bytes", "mml"), CASES)
 def test_planner_tokens_equal_server(vllm, tiny_models, tmp_path, shape, kv_dtype, kv_bytes, mml) -> None:
     model_dir = tiny_models(**shape)
-    args = ["--max-model-len", str(mml)] + (["--kv-cache-dtype", kv_dtype] if kv_dtype != "auto" else [])
-    # Our plugin is loaded (the default) with empty kvops settings: sizing must stay vLLM's own.
-    server = vllm(model_dir, *args, *PLUGIN_ARGS, kv_cache_bytes=kv_bytes)
+    server = vllm.many(_case_want(model_dir, kv_dtype, kv_bytes, mml))[0]
     plan = planned(model_dir, kv_dtype, kv_bytes, mml)
 
     logged = parse_log(vllm.log_of(server))
@@ -98,11 +123,8 @@ def test_default_shape_is_the_measured_one(tiny_models) -> None:
 
 
 def test_calibration_from_a_real_server_predicts_its_blocks(vllm, tiny_model, tmp_path) -> None:
-    # No --kv-cache-memory-bytes: the server sizes KV from --gpu-memory-utilization and logs
-    # the requested memory and its non-KV RSS, which `kvops verify --calibration-out` reads.
     util = calibration_util()
-    server = vllm(tiny_model, "--max-model-len", "2048", "--gpu-memory-utilization", util,
-                  *PLUGIN_ARGS, kv_cache_bytes=None)
+    server = vllm.many(_calibration_want(tiny_model))[0]
     log = vllm.log_of(server)
     assert "kvops plugin registered" in log
     log_file, cal_file = tmp_path / "server.log", tmp_path / "calibration.json"

@@ -10,9 +10,17 @@ from pathlib import Path
 import pytest
 import requests
 
+from kvops.ops.launch import ManagedServer
+
+from .conftest import Want
+
 pytestmark = pytest.mark.e2e
 
 PROMPTS = ["the cache holds keys and values", "hello world you are a helpful assistant"]
+BAD = [
+    ({"nope": 1}, "unknown key 'nope'"),
+    ({"config": "/nonexistent/kvops.yaml"}, "kvops config file '/nonexistent/kvops.yaml' not found"),
+]
 
 
 def _greedy(url: str, model: Path) -> list[str]:
@@ -38,9 +46,22 @@ def kvops_yaml(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_plugin_active_in_every_process_and_on_metrics(vllm, tiny_model, kvops_yaml):
-    cfg = json.dumps({"kvops": {"config": str(kvops_yaml)}})
-    server = vllm(tiny_model, "--max-model-len", "2048", "--additional-config", cfg)
+@pytest.fixture(scope="module")
+def servers(vllm, tiny_model, kvops_yaml) -> tuple[ManagedServer, ManagedServer]:
+    """The plugin with an empty kvops.yaml, and a plugin-free server, started side by side;
+    the bad settings' refusals start beside each other too."""
+    vllm.refusals_ahead([(tiny_model, ("--max-model-len", "2048", "--additional-config",
+                                       json.dumps({"kvops": settings})), None) for settings, _ in BAD])
+    with_plugin, stock = vllm.many(
+        Want(tiny_model, ("--max-model-len", "2048", "--additional-config",
+                          json.dumps({"kvops": {"config": str(kvops_yaml)}}))),
+        Want(tiny_model, ("--max-model-len", "2048"), env={"VLLM_PLUGINS": "none"}),
+    )
+    return with_plugin, stock
+
+
+def test_plugin_active_in_every_process_and_on_metrics(vllm, tiny_model, kvops_yaml, servers):
+    server = servers[0]
 
     texts = _greedy(server.url, tiny_model)
     assert all(isinstance(t, str) and t for t in texts)
@@ -61,30 +82,19 @@ def test_plugin_active_in_every_process_and_on_metrics(vllm, tiny_model, kvops_y
     assert server.process.pid not in pids
 
 
-def test_without_settings_the_plugin_changes_nothing(vllm, tiny_model, kvops_yaml):
-    with_plugin = vllm(
-        tiny_model, "--max-model-len", "2048", "--additional-config",
-        json.dumps({"kvops": {"config": str(kvops_yaml)}}),
-    )
+def test_without_settings_the_plugin_changes_nothing(vllm, tiny_model, servers):
+    with_plugin, stock = servers
     ours = _greedy(with_plugin.url, tiny_model)
     ours_kv = _kv_line(vllm.log_of(with_plugin))
 
-    stock = vllm(tiny_model, "--max-model-len", "2048", env={"VLLM_PLUGINS": "none"})
     assert "kvops plugin registered" not in vllm.log_of(stock)
     assert "kvops_info" not in requests.get(stock.url + "/metrics", timeout=10).text
     assert _greedy(stock.url, tiny_model) == ours
     assert _kv_line(vllm.log_of(stock)) == ours_kv
 
 
-@pytest.mark.parametrize(
-    ("settings", "expected"),
-    [
-        ({"nope": 1}, "unknown key 'nope'"),
-        ({"config": "/nonexistent/kvops.yaml"}, "kvops config file '/nonexistent/kvops.yaml' not found"),
-    ],
-    ids=["unknown-key", "missing-yaml"],
-)
-def test_bad_settings_refuse_to_start_with_one_line(vllm, tiny_model, settings, expected):
+@pytest.mark.parametrize(("settings", "expected"), BAD, ids=["unknown-key", "missing-yaml"])
+def test_bad_settings_refuse_to_start_with_one_line(vllm, tiny_model, servers, settings, expected):
     code, log = vllm.start_expecting_failure(
         tiny_model, "--max-model-len", "2048", "--additional-config", json.dumps({"kvops": settings})
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from fp8_cpu import needs_fp8_cpu
+from fp8_cpu import CPU_RUNS_FP8, needs_fp8_cpu
 from runbooks.markup import Check, missing_lines, pages
 from runbooks.stack import Stack
 from runbooks.states import STATE_ORDER, state
@@ -29,8 +29,12 @@ PARAMS = [pytest.param(c, id=c.id, marks=needs_fp8_cpu if "fp8" in state(c.state
 
 
 @pytest.fixture(scope="module")
-def stack(vllm, tiny_models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    stack = Stack(vllm, tiny_models, tmp_path_factory.mktemp("runbooks"))
+def stack(request: pytest.FixtureRequest, vllm, tiny_models,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    selected = [item.callspec.params["check"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")]
+    visits = dict.fromkeys(c.state for c in selected if CPU_RUNS_FP8 or "fp8" not in state(c.state).args)
+    stack = Stack(vllm, tiny_models, tmp_path_factory.mktemp("runbooks"), list(visits))
     yield stack
     stack.close()
 

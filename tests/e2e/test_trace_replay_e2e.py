@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from kvops.ops.cli.main import app
 from kvops.ops.launch import ManagedServer
 
+from .conftest import Want
 from .test_offload_e2e import Lmcache
 
 pytestmark = pytest.mark.e2e
@@ -58,10 +59,11 @@ def replay(tmp_path: Path, server: ManagedServer, text: str = SCENARIO) -> dict:
 
 
 def test_replay_matches_the_prediction_and_offload_raises_it(vllm, tiny_model, trace_lmcache, tmp_path):
-    plain = vllm(tiny_model, *SERVER_ARGS, kv_cache_bytes=GPU_BLOCKS * BLOCK_BYTES)
+    plain, offload = vllm.many(  # started side by side: one start's time
+        Want(tiny_model, SERVER_ARGS, kv_cache_bytes=GPU_BLOCKS * BLOCK_BYTES),
+        Want(tiny_model, (*SERVER_ARGS, "--additional-config", trace_lmcache.vllm_settings()),
+             kv_cache_bytes=GPU_BLOCKS * BLOCK_BYTES))
     without = replay(tmp_path, plain)
-    offload = vllm(tiny_model, *SERVER_ARGS, "--additional-config", trace_lmcache.vllm_settings(),
-                   kv_cache_bytes=GPU_BLOCKS * BLOCK_BYTES)
     with_offload = replay(tmp_path, offload)
 
     for result in (without, with_offload):

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import requests
+from e2e.conftest import Want
 
 from kvops.core.prom import parse_metrics, samples_by_name, selector_sum
 
@@ -81,10 +83,14 @@ class LoadThreads:
 class Stack:
     """The one active state: its server, its load and the environment commands see."""
 
-    def __init__(self, servers: Any, models: Callable[..., Path], root: Path) -> None:
+    def __init__(self, servers: Any, models: Callable[..., Path], root: Path,
+                 visits: Sequence[str] = ()) -> None:
         self.servers = servers
         self.models = models
         self.root = root
+        self.visits = list(visits)
+        """The states the session's selected tests enter, in order: a state's server starts
+        beside the next one's (when that one needs no LMCache and starts), one start's time."""
         self.active: str | None = None
         self.env: dict[str, str] = {}
         self._load: LoadThreads | None = None
@@ -112,12 +118,31 @@ class Stack:
         self.leave()
         self.lmcache.stop()
 
-    def _start(self, st: State) -> dict[str, str]:
-        model = self.models(**dict(st.model_shape))
-        env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}",
-               "MODEL_DIR": str(model), "KVOPS_DEBUG": "0"}
+    def _want(self, st: State) -> Want:
         args = tuple(a.replace("{pages}", str(self.root / "pages"))
                      .replace("{kvops_yaml}", str(self.lmcache.config)) for a in st.args)
+        return Want(self.models(**dict(st.model_shape)), args, kv_cache_bytes=st.kv_cache_bytes)
+
+    def _next_plain(self, st: State) -> Want | None:
+        """The next visited state's server if it can start now: it runs (no refusal), needs no
+        LMCache, and reads no file a page writes in a state between."""
+        later = self.visits[self.visits.index(st.name) + 1:] if st.name in self.visits else []
+        if not later:
+            return None
+        nxt = state(later[0])
+        if not nxt.server or nxt.refuses_start or nxt.lmcache:
+            return None
+        want = self._want(nxt)
+        pages = re.escape(str(self.root / "pages")) + r"/[^\s\"']+"
+        written = [Path(m) for a in want.args for m in re.findall(pages, a)]
+        return want if all(path.exists() for path in written) else None
+
+    def _start(self, st: State) -> dict[str, str]:
+        want = self._want(st)
+        model, args = want.model, want.args
+        assert model is not None
+        env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}",
+               "MODEL_DIR": str(model), "KVOPS_DEBUG": "0"}
         if st.lmcache:
             env.update(LMCACHE_URL=self.lmcache.url, KVOPS_YAML=str(self.lmcache.config))
             if st.lmcache == "up" or not st.refuses_start:
@@ -131,7 +156,8 @@ class Stack:
             log_path = self.root / f"{st.name}.log"
             log_path.write_text(log)
             return {**env, "VLLM_LOG": str(log_path), "VLLM_EXIT_CODE": str(code)}
-        server = self.servers(model, *args, kv_cache_bytes=st.kv_cache_bytes)
+        nxt = None if st.lmcache else self._next_plain(st)
+        server = self.servers.many(want, *([nxt] if nxt else []))[0]
         env.update(VLLM_URL=server.url, VLLM_LOG=str(server.log_path))
         if st.lmcache == "down":
             self.lmcache.stop()
