@@ -88,6 +88,13 @@ class Want:
         return self if self.model is not None else replace(self, model=default)
 
     @property
+    def label(self) -> str:
+        """The configuration in CI's list of starts: model, arguments, KV bytes and env when set."""
+        kv = [] if self.kv_cache_bytes == 1 << 30 else [f"kv={self.kv_cache_bytes}"]
+        env = [f"{k}={v}" for k, v in sorted((self.env or {}).items())]
+        return " ".join((Path(str(self.model)).name, *self.args, *kv, *env))
+
+    @property
     def key(self) -> tuple[object, ...]:
         return (str(self.model), tuple(self.args), self.kv_cache_bytes, tuple(sorted((self.env or {}).items())))
 
@@ -160,7 +167,7 @@ class VllmServers:
             want, server = item
             began = time.monotonic()
             server.start()
-            STARTS.append((" ".join((Path(want.model).name, *want.args)), time.monotonic() - began))
+            STARTS.append((want.label, time.monotonic() - began))
 
         with ThreadPoolExecutor(min(START_AT_ONCE, max(1, len(servers)))) as pool:
             outcomes = [pool.submit(start, item) for item in zip(wants, servers.values(), strict=True)]
