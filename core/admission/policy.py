@@ -325,10 +325,14 @@ class QueueState:
     drain_rps: float
 
 
+QueueReason = Literal["ok", "queued_requests", "queued_kv_tokens", "queue_wait"]
+"""Why the queue budget admitted ("ok") or refused a request (the front door's metric reasons)."""
+
+
 @dataclass(frozen=True)
 class QueueDecision:
     admit: bool
-    reason: Literal["ok", "queued_requests", "queued_kv_tokens", "queue_wait"]
+    reason: QueueReason
     predicted_wait_s: float
     retry_after_s: int
 
@@ -353,7 +357,7 @@ def queue_decision(
     """
     wait = predicted_wait_s(state, n)
     excess_requests = 0.0
-    reason: Literal["ok", "queued_requests", "queued_kv_tokens", "queue_wait"] = "ok"
+    reason: QueueReason = "ok"
     if budget.max_queued_requests is not None and state.queued_requests + n > budget.max_queued_requests:
         reason = "queued_requests"
         excess_requests = state.queued_requests + n - budget.max_queued_requests

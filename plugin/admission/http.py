@@ -29,12 +29,13 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from kvops.core.admission.policy import (
     AdmissionPolicy,
     DrainRate,
     KVBudget,
+    QueueReason,
     QueueState,
     RequestShape,
     headroom_blocks,
@@ -247,12 +248,11 @@ def _tenant_gauge(tenant: str, in_flight: int) -> None:
 # configured: a rate() over a series that does not exist yet is an empty result, not 0, so the
 # runbook's and KvopsAdmissionRejecting's rejected/total ratio had no value under load until the
 # first 429 (staging fleet, CI of stop 20: the query was empty while KV alerts fired).
+# The queue's refusals are QueueReason's (besides "ok"); the front door adds its own two.
 DECISIONS: tuple[tuple[str, str], ...] = (
     ("admitted", "ok"),
     ("rejected", "never_fits"),
-    ("rejected", "queued_requests"),
-    ("rejected", "queued_kv_tokens"),
-    ("rejected", "queue_wait"),
+    *(("rejected", reason) for reason in get_args(QueueReason) if reason != "ok"),
     ("rejected", "tenant_in_flight"),
 )
 
