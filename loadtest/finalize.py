@@ -17,7 +17,6 @@ from kvops.core.stats import mean, percentile
 from kvops.core.trace.replay import Replay
 from kvops.core.verdict import Verdict
 from kvops.loadtest.analysis import kv, prefix, replay, ttft
-from kvops.loadtest.analysis import load as ttft_load
 from kvops.loadtest.analysis.fleet import name_replicas
 from kvops.loadtest.analysis.tokens import ServerTokenizer
 from kvops.loadtest.config import (
@@ -133,34 +132,12 @@ def analyse(run: Run) -> tuple[dict[str, Any], list[Verdict], int]:
     summary = ttft.summarise(cfg, run.records, run.samples, duration)
     section: dict[str, Any] = {"ttft": {"summary": summary}}
     if run.baseline is None:
-        return section, [ttft_no_baseline(summary, cfg.late_s)], EXIT_OK
+        return section, [ttft.no_baseline(summary, cfg.late_s)], EXIT_OK
     table, verdicts = ttft.compare(cfg, load_baseline(run.baseline), summary)
     section["ttft"]["comparison"] = table
     section["ttft"]["baseline"] = str(run.baseline)
     failed = any(v.problem == "ttft-regression" for v in verdicts)
     return section, verdicts, EXIT_CHECK_FAILED if failed else EXIT_OK
-
-
-def ttft_no_baseline(summary: dict[str, Any], late_s: float) -> Verdict:
-    """A run without a baseline is one: healthy, unless its own sends fell behind the schedule
-    with users to spare (the client's CPU). Kept as a baseline, such a run would make every later
-    comparison inconclusive (CI, stop 20: a baseline 5.8 s late, then three candidates compared
-    with it, all client-bound), so it says so now, while re-recording is one command away."""
-    from kvops.core.verdict import healthy
-
-    means = summary["server_means_s"]
-    late = ttft_load.fell_behind("this run", summary, late_s)
-    if late is None or late.pool_exhausted:
-        return healthy(note="no baseline given: this result can serve as one (--baseline FILE)",
-                       ttft_p50_s=summary["ttft_p50_s"], server_means_s=means)
-    share = f", {late.late_share:.0%} of sends over {late_s:g} s late" if late.late_share is not None else ""
-    return Verdict("inconclusive", "client-bound",
-                   {"ttft_p50_s": summary["ttft_p50_s"], "server_means_s": means,
-                    "comparison_reliable": False, "client_behind": [late.to_dict()]},
-                   f"the load generator fell behind its arrival schedule (send lateness p99 "
-                   f"{late.lateness_p99_s} s{share}) with users to spare: this run offered less "
-                   "than the load asked for and is no baseline. Record it again with --workers N "
-                   "(or on a machine with more CPU for the client) (runbooks/ttft-regression.md)")
 
 
 def finalize(run: Run) -> tuple[dict[str, Any], int]:

@@ -144,18 +144,43 @@ def _load_evidence(base: dict[str, Any], cand: dict[str, Any], config: TtftRegre
     return out
 
 
+def _behind(late: Sequence[load.Lateness], late_s: float) -> str:
+    """How far behind its schedule each late side was, in a verdict's words."""
+    return " and ".join(
+        f"the {x.side} (send lateness p99 {x.lateness_p99_s} s"
+        + (f", {x.late_share:.0%} of sends over {late_s:g} s late)" if x.late_share is not None else ")")
+        for x in late)
+
+
+_RERUN = "--workers N (or on a machine with more CPU for the client)"
+
+
 def _client_bound(table: dict[str, Any], base: dict[str, Any], cand: dict[str, Any],
                   config: TtftRegressionConfig, late: list[load.Lateness]) -> Verdict:
-    sides = " and ".join(
-        f"the {x.side} (send lateness p99 {x.lateness_p99_s} s"
-        + (f", {x.late_share:.0%} of sends over {config.late_s:g} s late)" if x.late_share is not None else ")")
-        for x in late)
     return Verdict("inconclusive", "client-bound", {**_headline(table),
                                                      **_load_evidence(base, cand, config, late)},
-                   f"the load generator fell behind its arrival schedule in {sides} with users to "
-                   "spare: the load compared is not the load asked for. Rerun with --workers N "
-                   "(or on a machine with more CPU for the client) and compare again "
-                   "(runbooks/ttft-regression.md)")
+                   f"the load generator fell behind its arrival schedule in {_behind(late, config.late_s)} "
+                   f"with users to spare: the load compared is not the load asked for. Rerun with "
+                   f"{_RERUN} and compare again (runbooks/ttft-regression.md)")
+
+
+def no_baseline(summary: dict[str, Any], late_s: float) -> Verdict:
+    """A run without a baseline is one: healthy, unless its own sends fell behind the schedule
+    with users to spare (the client's CPU), the one-sided twin of _client_bound. Kept as a
+    baseline, such a run would make every later comparison inconclusive (CI, stop 20: a baseline
+    5.8 s late, then three candidates compared with it, all client-bound), so it says so now,
+    while re-recording is one command away."""
+    means = summary["server_means_s"]
+    late = load.fell_behind("run", summary, late_s)
+    if late is None or late.pool_exhausted:
+        return healthy(note="no baseline given: this result can serve as one (--baseline FILE)",
+                       ttft_p50_s=summary["ttft_p50_s"], server_means_s=means)
+    return Verdict("inconclusive", "client-bound",
+                   {"ttft_p50_s": summary["ttft_p50_s"], "server_means_s": means,
+                    "comparison_reliable": False, "client_behind": [late.to_dict()]},
+                   f"the load generator fell behind its arrival schedule in {_behind([late], late_s)} "
+                   f"with users to spare: this run offered less than the load asked for and is no "
+                   f"baseline. Record it again with {_RERUN} (runbooks/ttft-regression.md)")
 
 
 def _row(config: TtftRegressionConfig, base: Sequence[Any], cand: Sequence[Any],

@@ -151,16 +151,16 @@ def test_in_flight_from_the_clients_stamps():
 def test_a_baseline_recorded_behind_its_schedule_says_it_is_no_baseline():
     """Recorded while its client was starved (CI, stop 20: sends 5.8 s late), a baseline made
     every later comparison inconclusive; the recording run now says so itself, exit 3."""
-    from kvops.loadtest.finalize import ttft_no_baseline
+    from kvops.loadtest.analysis.ttft import no_baseline
 
     def recorded(rate: float, **kwargs: Any) -> dict[str, Any]:
         return {**summary(rate, **kwargs), "ttft_p50_s": 0.06, "server_means_s": {}}
 
-    late = ttft_no_baseline(recorded(1.0, late=5.8, late_sends=12, in_flight=9), CFG.late_s)
+    late = no_baseline(recorded(1.0, late=5.8, late_sends=12, in_flight=9), CFG.late_s)
     assert (late.problem, late.cause) == ("inconclusive", "client-bound")
     assert late.evidence["client_behind"][0]["late_share"] == 0.2
     assert "no baseline" in late.next
-    assert ttft_no_baseline(recorded(1.0), CFG.late_s).problem == "healthy"
+    assert no_baseline(recorded(1.0), CFG.late_s).problem == "healthy"
     # a few late sends (5%), or late because every user waited on the server: still a baseline
-    assert ttft_no_baseline(recorded(1.0, late=5.8, late_sends=3), CFG.late_s).problem == "healthy"
-    assert ttft_no_baseline(recorded(1.0, late=5.8, in_flight=32), CFG.late_s).problem == "healthy"
+    assert no_baseline(recorded(1.0, late=5.8, late_sends=3), CFG.late_s).problem == "healthy"
+    assert no_baseline(recorded(1.0, late=5.8, in_flight=32), CFG.late_s).problem == "healthy"
