@@ -1,8 +1,9 @@
 """Puts the real stack into a runbook state and runs a page's command block there.
 
 Servers come from the e2e session pool (tests/e2e/conftest.py ``vllm``), so a configuration
-starts once per session and at most four run at a time; the load of a state runs in background
-threads only while that state is active.
+starts once per session (a state's beside the next visited state's, one start's time) and at
+most MAX_LIVE_SERVERS run at a time; the load of a state runs in background threads only while
+that state is active.
 """
 
 from __future__ import annotations
