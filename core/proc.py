@@ -3,15 +3,46 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from pathlib import Path
 
+FALLBACK_EPHEMERAL = (32768, 60999)
+"""Linux's default ephemeral range, where /proc/sys/net/ipv4/ip_local_port_range is unreadable."""
+LOWEST_PORT = 10000
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS has just called free on ``host`` (loopback by default)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+
+def free_port(host: str = "127.0.0.1", taken: frozenset[int] = frozenset()) -> int:
+    """A port free on ``host`` (loopback by default) below the kernel's ephemeral range.
+
+    A server is told its port seconds before it binds it (a vLLM binds after ~12 s of imports).
+    A port the kernel handed out with bind(0) comes from the ephemeral range, where the kernel
+    picks every outgoing connection's source port and every other bind(0) listener's port (a
+    starting vLLM's own sockets among them): two vLLM servers started side by side lost that
+    race here ("Address already in use"). Below the range only another such pick can take it.
+    ``taken``: ports already promised to servers not started yet."""
+    low = ephemeral_range()[0]
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(LOWEST_PORT, low) if low > LOWEST_PORT + 1000 else 0
+        if port in taken:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise OSError(f"no free port below {low} on {host}")
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (net.ipv4.ip_local_port_range)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return FALLBACK_EPHEMERAL
 
 
 def stat_fields(pid: int) -> list[str] | None:

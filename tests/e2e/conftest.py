@@ -17,7 +17,6 @@ gives the log of any server for assertions on what vLLM printed.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -28,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from kvops.ops.launch import ManagedServer, vllm_server
+from kvops.core.proc import free_port
+from kvops.ops.launch import ManagedServer, ServerStartError, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 
 from .staging import staging_fleet  # noqa: F401 - the session's staging fleet (issue 14)
@@ -100,15 +100,12 @@ class Want:
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (all bound at once, so two starts never share one)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+    """``n`` distinct free loopback ports (kvops.core.proc.free_port: below the ephemeral range,
+    where neither the other server's start nor an outgoing connection takes it meanwhile)."""
+    ports: list[int] = []
+    for _ in range(n):
+        ports.append(free_port(taken=frozenset(ports)))
+    return ports
 
 
 class VllmServers:
@@ -155,28 +152,40 @@ class VllmServers:
         return [self._live[w.key] for w in wants]
 
     def _start_together(self, wants: list[Want]) -> dict[tuple[object, ...], ManagedServer]:
-        servers: dict[tuple[object, ...], ManagedServer] = {}
-        for want, port in zip(wants, free_ports(len(wants)), strict=True):
-            self._count += 1
-            servers[want.key] = vllm_server(
-                want.model, want.args, kv_cache_bytes=want.kv_cache_bytes, env=want.env, port=port,
-                log_path=self.log_dir / f"vllm-{self._count}.log", name=f"vllm-{self._count}",
-            )
+        ports = free_ports(len(wants))
+        started: dict[tuple[object, ...], ManagedServer] = {}
 
-        def start(item: tuple[Want, ManagedServer]) -> None:
-            want, server = item
-            began = time.monotonic()
-            server.start()
-            STARTS.append((want.label, time.monotonic() - began))
+        def start(want: Want, port: int) -> None:
+            for attempt in range(2):
+                server = self._server(want, port)
+                began = time.monotonic()
+                try:
+                    server.start()
+                except ServerStartError as exc:
+                    server.stop()
+                    if attempt or "Address already in use" not in str(exc):
+                        raise
+                    port = free_port(taken=frozenset(ports))  # taken meanwhile: once more
+                    continue
+                STARTS.append((want.label, time.monotonic() - began))
+                started[want.key] = server
+                return
 
-        with ThreadPoolExecutor(min(START_AT_ONCE, max(1, len(servers)))) as pool:
-            outcomes = [pool.submit(start, item) for item in zip(wants, servers.values(), strict=True)]
+        with ThreadPoolExecutor(min(START_AT_ONCE, max(1, len(wants)))) as pool:
+            outcomes = [pool.submit(start, want, port) for want, port in zip(wants, ports, strict=True)]
             failures = [f.exception() for f in outcomes if f.exception() is not None]
         if failures:
-            for server in servers.values():
+            for server in started.values():
                 server.stop()
             raise failures[0]  # type: ignore[misc]
-        return servers
+        return started
+
+    def _server(self, want: Want, port: int) -> ManagedServer:
+        with self._lock:
+            self._count += 1
+            count = self._count
+        return vllm_server(want.model, want.args, kv_cache_bytes=want.kv_cache_bytes, env=want.env,
+                           port=port, log_path=self.log_dir / f"vllm-{count}.log", name=f"vllm-{count}")
 
     def refusals_ahead(self, starts: list[tuple[Path, tuple[str, ...], dict[str, str] | None]]) -> None:
         """Start these servers that must refuse to start, REFUSING_AT_ONCE at a time, now;
