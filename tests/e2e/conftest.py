@@ -92,7 +92,8 @@ class Want:
         """The configuration in CI's list of starts: model, arguments, KV bytes and env when set."""
         kv = [] if self.kv_cache_bytes == 1 << 30 else [f"kv={self.kv_cache_bytes}"]
         env = [f"{k}={v}" for k, v in sorted((self.env or {}).items())]
-        return " ".join((Path(str(self.model)).name, *self.args, *kv, *env))
+        model = "/".join(Path(str(self.model)).parts[-2:])  # fp8's models are all ".../model"
+        return " ".join((model, *self.args, *kv, *env))
 
     @property
     def key(self) -> tuple[object, ...]:
