@@ -8,7 +8,6 @@ runs two vLLM servers at a time, and the fleet brings its own two).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import Any
 
 import pytest
 import requests
+from load_threads import LoadThreads
+from runbooks.states import Load
 
 from kvops.ops.staging.fleet import Fleet, FleetSpec
 
@@ -34,46 +35,13 @@ def staging_fleet(vllm: Any, tiny_model: Path,
     fleet.stop()
 
 
-class ProxyLoad:
-    """``users`` threads posting long completions through the proxy with the API key: the
-    kv-exhaustion load (16 KV blocks per replica, 900-token requests, 8 users)."""
-
-    def __init__(self, fleet: Fleet, users: int = 8, max_tokens: int = 800) -> None:
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._user, args=(fleet, i, max_tokens), daemon=True)
-                         for i in range(users)]
-        for t in self._threads:
-            t.start()
-
-    def _user(self, fleet: Fleet, index: int, max_tokens: int) -> None:
-        words = " ".join(f"w{(k * 7 + index) % 97}" for k in range(60))
-        n = 0
-        while not self._stop.is_set():
-            n += 1
-            body = {"model": fleet.spec.served_model_name, "prompt": f"user {index} request {n} {words}",
-                    "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
-            try:
-                status = self._stream(fleet, body)
-            except requests.RequestException:
-                status = 0
-            if status != 200:  # a 429 comes back at once: don't spin on it
-                time.sleep(0.5)
-
-    def _stream(self, fleet: Fleet, body: dict[str, Any]) -> int:
-        """Streamed, so that stop() hangs up mid-request (haproxy passes the hang-up on and vLLM
-        aborts the request) instead of waiting out 800 tokens on a preempting replica: that wait
-        was most of the KV-alert test's four minutes."""
-        with requests.post(fleet.proxy_url + "/v1/completions", json=body, headers=fleet.headers(),
-                           timeout=300, stream=True) as resp:
-            for _ in resp.iter_lines():
-                if self._stop.is_set():
-                    break
-            return resp.status_code
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=310)
+def proxy_load(fleet: Fleet, users: int = 8, max_tokens: int = 800) -> LoadThreads:
+    """``users`` closed-loop users posting long streamed completions through the proxy with the
+    API key: the kv-exhaustion load (16 KV blocks per replica, 900-token requests, 8 users).
+    Streamed, so that stop() hangs up mid-request (haproxy passes the hang-up on and vLLM aborts
+    the request) instead of waiting out 800 tokens on a preempting replica."""
+    return LoadThreads(fleet.proxy_url, fleet.spec.served_model_name,
+                       Load(users=users, prompt_words=60, max_tokens=max_tokens), headers=fleet.headers())
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = WAIT_S) -> Any:

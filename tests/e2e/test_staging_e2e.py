@@ -29,7 +29,7 @@ import requests
 from kvops.core.prom import samples_by_name
 from kvops.ops.staging.fleet import Fleet
 
-from .staging import REPO, ProxyLoad, promql, wait_for
+from .staging import REPO, promql, proxy_load, wait_for
 from .starved import RERUNS, client_bound, note_rerun
 
 pytestmark = pytest.mark.e2e
@@ -155,7 +155,7 @@ def _names(result: tuple[int, dict[str, Any]], instance: str) -> tuple[int, dict
 
 
 def test_kv_load_through_the_proxy_fires_pages_and_resolves(staging_fleet: Fleet) -> None:
-    load = ProxyLoad(staging_fleet)
+    load = proxy_load(staging_fleet)
     try:
         firing = wait_for("a KV alert at the webhook",
                           lambda: webhook_alert(staging_fleet, KV_ALERTS, "firing"))

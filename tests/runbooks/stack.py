@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,10 +21,11 @@ from typing import Any
 
 import requests
 from e2e.conftest import Want
+from load_threads import LoadThreads
 
 from kvops.core.prom import parse_metrics, samples_by_name, selector_sum
 
-from .states import Load, State, state
+from .states import State, state
 
 COMMAND_TIMEOUT_S = 420
 READY_TIMEOUT_S = 480  # generous: several CPU servers share two cores while tests run
@@ -36,49 +36,6 @@ VENV_BIN = str(Path(sys.executable).parent)
 class CommandResult:
     exit_code: int
     output: str
-
-
-class LoadThreads:
-    """Closed-loop users posting completions until stopped."""
-
-    def __init__(self, url: str, model: str, load: Load) -> None:
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._user, args=(url, model, load, i), daemon=True)
-            for i in range(load.users)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _user(self, url: str, model: str, load: Load, index: int) -> None:
-        words = " ".join(f"w{(k * 7 + (0 if load.shared_prompt else index)) % 97}"
-                         for k in range(load.prompt_words))
-        n = 0
-        while not self._stop.is_set():
-            n += 1
-            prompt = words if load.shared_prompt else f"user {index} request {n} {words}"
-            body = {"model": model, "prompt": prompt, "max_tokens": load.max_tokens,
-                    "ignore_eos": True, "temperature": 0, "stream": True}
-            try:
-                status = self._stream(url, body)
-            except requests.RequestException:
-                status = 0
-            if status != 200:  # a 429/503 comes back at once: don't spin on it
-                time.sleep(0.5)
-
-    def _stream(self, url: str, body: dict[str, Any]) -> int:
-        """Streamed, so that stop() hangs up mid-request (vLLM aborts a request whose client has
-        gone) instead of waiting for 800 tokens on a preempting server."""
-        with requests.post(url + "/v1/completions", json=body, timeout=300, stream=True) as resp:
-            for _ in resp.iter_lines():
-                if self._stop.is_set():
-                    break
-            return resp.status_code
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=310)
 
 
 class Stack:
