@@ -42,7 +42,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def lru_oracle(requests: list[TraceRequest], capacity: int, block: int = 512) -> int:
+def lru_oracle(requests: list[TraceRequest], capacity: int, block: int = 512,
+               head_last: bool = False) -> int:
+    """Hit tokens of an LRU cache of ``capacity`` blocks, simulated one id at a time; with
+    ``head_last`` a request's ids are inserted last to first (its head is the most recent)."""
     cache: OrderedDict[int, None] = OrderedDict()
     hit = 0
     for req in requests:
@@ -52,7 +55,7 @@ def lru_oracle(requests: list[TraceRequest], capacity: int, block: int = 512) ->
                 break
             k += 1
         hit += min(block * k, req.input_tokens)
-        for block_id in req.hash_ids:
+        for block_id in (reversed(req.hash_ids) if head_last else req.hash_ids):
             cache[block_id] = None
             cache.move_to_end(block_id)
             while len(cache) > capacity:
@@ -185,27 +188,9 @@ def test_head_last_refresh_matches_a_simulation_that_refreshes_tail_first():
         profile = reuse_profile(reqs, HitRule(512), head_last=True)
         flipped = [TraceRequest(r.timestamp_s, r.input_tokens, 1, r.hash_ids) for r in reqs]
         for capacity in range(30):
-            expected = lru_oracle_head_last(flipped, capacity)
+            expected = lru_oracle(flipped, capacity, head_last=True)
             assert profile.hit_tokens(capacity) == expected
             assert int(profile.hit_tokens_per_request(capacity).sum()) == expected
-
-
-def lru_oracle_head_last(requests: list[TraceRequest], capacity: int, block: int = 512) -> int:
-    cache: OrderedDict[int, None] = OrderedDict()
-    hit = 0
-    for req in requests:
-        k = 0
-        for block_id in req.hash_ids:
-            if block_id not in cache:
-                break
-            k += 1
-        hit += min(block * k, req.input_tokens)
-        for block_id in reversed(req.hash_ids):
-            cache[block_id] = None
-            cache.move_to_end(block_id)
-            while len(cache) > capacity:
-                cache.popitem(last=False)
-    return hit
 
 
 def test_smallest_cache_for_a_fraction_of_the_reuse(tmp_path):
