@@ -75,9 +75,10 @@ def analyse(config: TraceReplayConfig, replay: Replay, records: list[RequestReco
     # a request reached the scheduler if it produced a token or finished
     served = [r for r in records if r.group is not None and (r.ok or r.first_event_s is not None)]
     timing = {int(r.group): Timing(r.sent_at, r.first_token_at) for r in served if r.group}
+    tier_tokens, tier_source = offload_tier_tokens(config, last)
     cache = ServerCache(
         gpu_blocks=cache_int(last, "num_gpu_blocks") or 0, block_size=cache_int(last, "block_size") or 1,
-        offload_tokens=(config.offload_tokens or float("inf")) if offload_on else None)
+        offload_tokens=(tier_tokens or float("inf")) if offload_on else None)
     prediction = predict(replay, cache, timing)
     measured = (local + external) / queries if queries else 0.0
     summary: dict[str, Any] = {
@@ -85,8 +86,9 @@ def analyse(config: TraceReplayConfig, replay: Replay, records: list[RequestReco
         "speedup": config.speedup, "length_scale": config.length_scale,
         "replay_block_tokens": replay.block_tokens, "block_size": cache.block_size,
         "num_gpu_blocks": cache.gpu_blocks, "offload": offload_on,
-        "offload_tokens": ("unbounded (set offload_tokens in the scenario file)"
-                           if offload_on and config.offload_tokens is None else config.offload_tokens),
+        "offload_tokens": round(tier_tokens) if offload_on and tier_tokens else (
+            "unbounded (set offload_tokens in the scenario file)" if offload_on else None),
+        "offload_tokens_from": tier_source if offload_on else None,
         "prompt_tokens_predicted": prediction.prompt_tokens, "prefix_cache_queries": queries,
         "measured_hit_ratio": round(measured, 4), "measured_local_hits": local,
         "measured_external_hits": external,
@@ -103,6 +105,21 @@ def analyse(config: TraceReplayConfig, replay: Replay, records: list[RequestReco
     inferred = _sent_prompts(summary, replay, served, cache)
     shortfall = prediction.hit_ratio - measured
     return summary, [_verdict(summary, last, shortfall, config.tolerance, inferred, tokenizer)]
+
+
+def offload_tier_tokens(config: TraceReplayConfig, last: MetricsSample) -> tuple[float | None, str]:
+    """Tokens the offload tier holds, and where that came from: the scenario's ``offload_tokens``;
+    else the kvops plugin's ``kvops_offload_capacity_bytes`` over the bytes per token it stored
+    (its stored-bytes and stored-tokens counters); else None (a connector kvops does not run:
+    the prediction takes the tier as unbounded, and the report says so)."""
+    if config.offload_tokens is not None:
+        return config.offload_tokens, "scenario"
+    capacity = last.get("kvops_offload_capacity_bytes")
+    stored_bytes, stored_tokens = (last.get("kvops_offload_stored_bytes_total"),
+                                   last.get("kvops_offload_stored_tokens_total"))
+    if capacity > 0 and stored_bytes > 0 and stored_tokens > 0:
+        return capacity / (stored_bytes / stored_tokens), "server"
+    return None, "unbounded"
 
 
 DRIFT_TOKENS = 1_000_000

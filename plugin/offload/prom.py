@@ -15,6 +15,7 @@ from typing import Any
 from lmcache.integration.vllm.lmcache_mp_metrics import LMCacheMPPromMetrics
 
 from kvops.core.offload.canary import REPORT_KEYS
+from kvops.core.units import GIB
 from kvops.plugin.loops import ResilientLoop, count_internal_error
 from kvops.plugin.metrics import gauge
 from kvops.plugin.offload.diskwatch import DiskWatch
@@ -92,8 +93,20 @@ class OffloadPromMetrics(LMCacheMPPromMetrics):
             self._digest_degraded[engine_idx].set(0)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         settings = extra["kvops.offload"]
+        publish_capacity(settings)
         url = "http://{host}:{http_port}/metrics".format(**settings)
         _ServerPoller(url, local_disk_path(settings)).start()
+
+
+def publish_capacity(settings: dict[str, Any]) -> None:
+    """``kvops_offload_capacity_bytes``: the most KV the LMCache tiers hold, from the offload
+    settings (the LMCache server is started from the same kvops.yaml): the larger of l1_gib and
+    disk_gib, the disk tier being inclusive (ops/capacity/tiers.py). A trace replay divides it
+    by the stored bytes per token to predict that tier's hits (loadtest/analysis/replay.py)."""
+    tiers = [settings.get("l1_gib") or 0.0, settings.get("disk_gib") or 0.0]
+    gauge("kvops_offload_capacity_bytes",
+          "Most bytes of KV the LMCache tiers hold (max of l1_gib and the inclusive disk_gib)"
+          ).set(max(tiers) * GIB)
 
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}

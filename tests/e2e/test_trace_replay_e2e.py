@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from kvops.core.units import GIB
 from kvops.ops.cli.main import app
 from kvops.ops.launch import ManagedServer
 
@@ -80,6 +81,12 @@ def test_replay_matches_the_prediction_and_offload_raises_it(vllm, tiny_model, t
     assert off_ev["predicted_hit_ratio"] > plain_ev["predicted_hit_ratio"] + 2 * plain_ev["tolerance"]
     assert off_ev["measured_hit_ratio"] > plain_ev["measured_hit_ratio"] + plain_ev["tolerance"]
     assert off_ev["measured_external_hits"] > 0
+    # the tier's size is the server's own (the plugin's capacity gauge over its stored bytes per
+    # token), not an unbounded guess: the larger of the LMCache settings' tiers, in this model's
+    # bf16 KV tokens
+    tiers = trace_lmcache.settings
+    assert off_ev["offload_tokens_from"] == "server", off_ev
+    assert off_ev["offload_tokens"] == round(max(tiers["l1_gib"], tiers["disk_gib"]) * GIB / (BLOCK_BYTES / BLOCK))
 
 
 def test_a_span_of_each_request_inside_its_first_block_is_prefix_drift(vllm, tiny_model, tmp_path):

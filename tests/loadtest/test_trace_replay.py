@@ -137,6 +137,29 @@ def test_verdict_from_the_counters(samples, verdict):
     assert summary["measured_hit_ratio"] == round(expected, 4)
 
 
+def test_offload_tier_size_comes_from_the_plugin_when_the_scenario_gives_none():
+    # a GPU cache of one block beside an offload tier: the tier's size decides the prediction
+    samples = _samples(768, 0, 768, 128)
+    samples[0].cache_config["num_gpu_blocks"] = "1"
+    bytes_per_token = 4096.0
+    samples[-1].values.update({"kvops_offload_capacity_bytes": 128 * bytes_per_token,
+                               "kvops_offload_stored_bytes_total": 10 * bytes_per_token,
+                               "kvops_offload_stored_tokens_total": 10.0})
+    summary, _ = replay.analyse(TraceReplayConfig(), _two(), _records(), samples, UNUSED)
+    assert (summary["offload_tokens"], summary["offload_tokens_from"]) == (128, "server")
+    bounded = predict(_two(), ServerCache(1, 128, 128.0)).hit_ratio
+    assert summary["predicted_hit_ratio"] == round(bounded, 4)
+    # a connector without the kvops gauge: the tier is taken as unbounded, and the report says so
+    del samples[-1].values["kvops_offload_capacity_bytes"]
+    summary, _ = replay.analyse(TraceReplayConfig(), _two(), _records(), samples, UNUSED)
+    assert summary["offload_tokens_from"] == "unbounded"
+    unbounded = predict(_two(), ServerCache(1, 128, float("inf"))).hit_ratio
+    assert summary["predicted_hit_ratio"] == round(unbounded, 4) != round(bounded, 4)
+    # the scenario's own size wins over the server's
+    summary, _ = replay.analyse(TraceReplayConfig(offload_tokens=512), _two(), _records(), samples, UNUSED)
+    assert (summary["offload_tokens"], summary["offload_tokens_from"]) == (512, "scenario")
+
+
 def test_hits_that_preemption_counted_twice_make_no_healthy_verdict():
     # vLLM's counters: 2 preemptions, and the measured ratio at the prediction only with them
     config = TraceReplayConfig(tolerance=0.05)

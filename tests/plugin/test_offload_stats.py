@@ -3,6 +3,7 @@ per token the connector reports follow the KV formula for vLLM's CPU cache layou
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvops.plugin.offload.stats import OffloadStats
@@ -83,3 +84,20 @@ def test_only_loads_that_finished_without_a_failed_block_are_checksummed():
     KVOpsOffloadConnector._kvops_verify_finished(half, set())  # type: ignore[arg-type]
     assert verified == ["ok"]
     assert half._kvops_failed_blocks == set()
+
+
+@pytest.mark.parametrize(("l1_gib", "disk_gib", "expected_gib"), [(0.25, 2.0, 2.0), (4.0, None, 4.0), (4.0, 1.0, 4.0)])
+def test_offload_capacity_is_the_larger_tier_not_their_sum(l1_gib, disk_gib, expected_gib):
+    """LMCache's disk tier is inclusive of L1 (every chunk is written to it): the tiers together
+    hold as much as the larger one."""
+    from kvops.plugin import metrics
+    from kvops.plugin.offload.prom import publish_capacity
+
+    metrics.reset_for_tests()
+    try:
+        publish_capacity({"l1_gib": l1_gib, "disk_gib": disk_gib})
+        value = metrics._registry().get_sample_value(
+            "kvops_offload_capacity_bytes", {"model_name": metrics.bound_model_name()})
+        assert value == expected_gib * (1 << 30)
+    finally:
+        metrics.reset_for_tests()
