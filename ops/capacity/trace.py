@@ -99,5 +99,7 @@ def _offload(plan: Plan, advice: TraceAdvice, kv_bytes_per_token: int, host_memo
         lmcache_cpu_gib=l1, lmcache_disk_gib=disk, working_set_gib=working_set, chunk_tokens=chunk,
         why=(f"an LRU cache of {advice.tokens_for_target:,} tokens finds {advice.target_hit_fraction:.0%} of the "
              f"trace's reuse ({advice.target_hit_ratio:.1%} of prompt tokens; the GPU's "
-             f"{advice.gpu_cache_tokens:,} find {advice.gpu_hit_ratio:.1%}) × {kv_bytes_per_token:,} B/token"),
+             f"{advice.gpu_cache_tokens:,} find {advice.gpu_hit_ratio:.1%}) × {kv_bytes_per_token:,} B/token"
+             + ("; all of it in L1: --host-memory-gib caps L1 at what the host can spare and puts the "
+                "target on disk" if host_memory_gib is None else "")),
         warning=None if l1 > 0 else "--host-memory-gib leaves no L1; LMCache needs an L1 tier in front of disk")

@@ -198,14 +198,15 @@ DistinctPrefixes = Annotated[int, typer.Option(
 PrefixTokens = Annotated[int, typer.Option(
     "--prefix-tokens", help="Tokens per shared prefix.", rich_help_panel=OFFLOAD_PANEL)]
 HostMemoryGib = Annotated[float | None, typer.Option(
-    "--host-memory-gib", help="Cap of LMCache L1 (CPU DRAM), GiB; the rest goes to disk.",
+    "--host-memory-gib", help="Cap of LMCache L1 (CPU DRAM), GiB; the rest goes to disk (without it, "
+    "L1 holds the whole target).",
     rich_help_panel=OFFLOAD_PANEL)]
 TraceFile = Annotated[Path | None, typer.Option(
     "--trace", help="A production trace (Mooncake JSONL, BurstGPT CSV): lengths, arrival rate, and offload sized "
     "from its LRU hit-ratio curve (see `kvops trace stats`).", rich_help_panel=WORKLOAD_PANEL)]
 TargetHitFraction = Annotated[float, typer.Option(
-    "--target-hit-fraction", help="With --trace: size GPU KV + offload to find this fraction of the prefix "
-    "reuse an unbounded cache would.", rich_help_panel=OFFLOAD_PANEL)]
+    "--target-hit-fraction", help="With --trace: size the offload tiers (beyond the GPU KV cache the plan "
+    "sizes) to find this fraction of the prefix reuse an unbounded cache would.", rich_help_panel=OFFLOAD_PANEL)]
 OffloadMode = Annotated[str | None, typer.Option(
     "--offload-mode", help="Judge offload in this transfer mode (auto, engine_driven, lmcache_driven): L1/disk "
     "sizes from the reuse, the expected hit ratio, and 'leave it off' when the prefill time hits save is below "

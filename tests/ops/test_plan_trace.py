@@ -49,6 +49,7 @@ def test_offload_sized_from_the_lru_curve(base, tmp_path):
     assert doc["offload"]["lmcache_cpu_gib"] == 400.0
     assert doc["offload"]["lmcache_disk_gib"] is None
     assert doc["kvops_yaml"]["offload"]["l1_gib"] == 400.0
+    assert "--host-memory-gib caps L1" in doc["offload"]["why"]  # no host size given: says so
     points = {p["cache_tokens"]: p for p in trace["curve"]}
     assert points[6400 * 512]["hit_ratio"] == 0.5
     assert points[6400 * 512]["cache_gib"] == 400.0
@@ -60,6 +61,7 @@ def test_offload_sized_from_the_lru_curve(base, tmp_path):
 def test_host_memory_cap_spills_to_disk(base, tmp_path):
     doc = plan(base, "--trace", str(cyclic_trace(tmp_path / "c.jsonl")), "--host-memory-gib", "100")
     assert (doc["offload"]["lmcache_cpu_gib"], doc["offload"]["lmcache_disk_gib"]) == (100.0, 400.0)  # disk inclusive: the whole target
+    assert "--host-memory-gib" not in doc["offload"]["why"]
 
 
 def test_a_trace_without_reuse_says_offload_cannot_help(base, tmp_path):
