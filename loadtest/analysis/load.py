@@ -69,11 +69,20 @@ class LoadComparison:
     """Offered tokens per second (arrival rate × prompt+output tokens), else the arrival rate."""
     higher: bool
     """The candidate offered more work than the baseline beyond the tolerance."""
+    longer: tuple[str, ...] = ()
+    """Length measures (prompt, output tokens) longer than the baseline's beyond the tolerance:
+    each request is more work even at the same offered tokens per second (a 4x longer prompt at a
+    quarter of the rate prefills 4x longer), so no phase is compared like for like."""
+
+    @property
+    def comparable(self) -> bool:
+        return not self.higher and not self.longer
 
     def grew(self, tolerance: float) -> list[str]:
         return [k for k, v in self.ratios.items() if v is not None and v > 1 + tolerance]
 
 
+LENGTH_KEYS = ("prompt_tokens_mean", "output_tokens_mean")
 RATIO_KEYS = ("arrival_rate_rps", "prompt_tokens_mean", "output_tokens_mean", "token_rate",
               "concurrency_mean", "running_mean", "waiting_mean")
 
@@ -85,7 +94,8 @@ def compare(base: dict[str, Any], cand: dict[str, Any], tolerance: float) -> Loa
     c = cand.get("load") or {"arrival_rate_rps": cand.get("arrival_rate_rps") or cand.get("rate_rps")}
     ratios = {k: _ratio(c.get(k), b.get(k)) for k in RATIO_KEYS}
     work = ratios["token_rate"] if ratios["token_rate"] is not None else ratios["arrival_rate_rps"]
-    return LoadComparison(ratios, work, work is not None and work > 1 + tolerance)
+    longer = tuple(k for k in LENGTH_KEYS if (ratios[k] or 0.0) > 1 + tolerance)
+    return LoadComparison(ratios, work, work is not None and work > 1 + tolerance, longer)
 
 
 def _ratio(c: Any, b: Any) -> float | None:

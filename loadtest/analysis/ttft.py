@@ -136,7 +136,7 @@ def _load_evidence(base: dict[str, Any], cand: dict[str, Any], config: TtftRegre
                    late: list[load.Lateness]) -> dict[str, Any]:
     cmp = load.compare(base, cand, config.load_tolerance_rel)
     out: dict[str, Any] = {"load_ratio": cmp.ratios, "work_ratio": cmp.work_ratio,
-                           "comparable_load": not cmp.higher and (cmp.work_ratio or 1.0) >= 1 / (
+                           "comparable_load": cmp.comparable and (cmp.work_ratio or 1.0) >= 1 / (
                                1 + config.load_tolerance_rel),
                            "comparison_reliable": not late}
     if late:
@@ -216,7 +216,7 @@ def _cause_verdict(table: dict[str, Any], base: dict[str, Any], cand: dict[str, 
     # admission (not batch contention) took the time
     if ttft_regressed and d_queue >= d_prefill and d_queue > config.min_abs_s:
         cause = "queueing"
-    elif more.higher:
+    elif more.higher or (ttft_regressed and more.longer):
         cause = "load"
     elif not ttft_regressed:
         cause = "decode"
@@ -239,11 +239,14 @@ def _cause_verdict(table: dict[str, Any], base: dict[str, Any], cand: dict[str, 
     if "server_ttft" in regressed:
         evidence["verdict_basis"] = "server"
     grown = ", ".join(more.grew(config.load_tolerance_rel)) or "work"
+    offered = (f"the candidate offered {more.work_ratio}x the baseline's work ({grown} grew) and "
+               "every phase slowed with it" if more.higher else
+               f"the candidate's requests are longer ({', '.join(f'{k} x{more.ratios[k]}' for k in more.longer)}) "
+               "and take longer to serve at any rate")
     nxt = {
-        "load": f"the candidate offered {more.work_ratio}x the baseline's work ({grown} grew) and "
-                "every phase slowed with it: that is load, not a slower phase. Compare at the "
-                "baseline's rate and lengths, or size for this load: find the knee with `kvops "
-                "loadtest kv-exhaustion` and add replicas (runbooks/ttft-regression.md)",
+        "load": f"{offered}: that is load, not a slower phase. Compare at the baseline's rate and "
+                "lengths, or size for this load: find the knee with `kvops loadtest kv-exhaustion` "
+                "and add replicas (runbooks/ttft-regression.md)",
         "queueing": "TTFT grew in the queue: arrivals outpace the drain rate; add replicas, lower "
                     "the rate, or raise --max-num-seqs if KV allows (runbooks/ttft-regression.md)",
         "prefill": "TTFT grew in prefill at comparable load and lengths: lost prefix hits or a "

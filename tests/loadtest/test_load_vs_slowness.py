@@ -52,6 +52,19 @@ def test_longer_prompts_are_load_too():
     assert ev["load_ratio"]["prompt_tokens_mean"] == 4.0
 
 
+def test_longer_prompts_at_the_same_token_rate_are_load_not_prefill():
+    # 4x longer prompts at a quarter of the rate: the same tokens per second, each request 4x
+    # the prefill; the phase was not compared like for like
+    base, cand = summary(4.0), summary(1.0, prompt=400.0, prefill=0.2, seed=1)
+    cand["load"]["token_rate"] = base["load"]["token_rate"]
+    problem, cause, ev = _verdict(base, cand)
+    assert (problem, cause) == ("ttft-regression", "load")
+    assert ev["comparable_load"] is False
+    assert ev["load_ratio"]["prompt_tokens_mean"] == 4.0
+    _, (v,) = ttft.compare(CFG, base, cand)
+    assert "prompt_tokens_mean x4.0" in v.next
+
+
 def test_time_waiting_for_admission_is_queueing_even_at_higher_load():
     problem, cause, _ = _verdict(summary(0.5), summary(20.0, queue=0.5, seed=1))
     assert (problem, cause) == ("ttft-regression", "queueing")
