@@ -48,6 +48,9 @@ class RequestRecord:
     error: str | None = None
     prompt: Any = None
     shared_text: str | None = None
+    template: dict[str, Any] | None = None
+    """A chat body's other chat-template inputs (``tools``, ``chat_template_kwargs``...): the
+    server renders them into the prompt, so the prompt's tokens depend on them."""
 
     @property
     def first_token_at(self) -> float | None:

@@ -237,16 +237,21 @@ def inferred_drift(s: dict[str, Any], inferred: Inferred, tokenizer: ServerToken
 
 
 def _tokens_of(record: RequestRecord, tokenizer: ServerTokenizer) -> PrefixTokens:
-    tokens = tokenizer.tokens(record.prompt)
+    """A record's prompt tokens and how many of them were meant to be shared: the shared text
+    our templates wrote, or in a chat body every message before the last (a conversation's
+    history). A completions prompt of token ids has no intended part."""
+    chat = record.kind == "chat"
+    template = record.template if chat else None
+    tokens = tokenizer.tokens(record.prompt, template=template)
     intended = 0
     if record.shared_text is not None:
-        if isinstance(record.prompt, list):
-            shared = tokenizer.tokens(record.prompt[:1], add_generation_prompt=False)
+        if chat:
+            shared = tokenizer.tokens(record.prompt[:1], add_generation_prompt=False, template=template)
         else:
             shared = tokenizer.tokens(record.shared_text)
         intended = common_prefix_len(shared, tokens)
-    elif isinstance(record.prompt, list) and len(record.prompt) > 1:
-        shared = tokenizer.tokens(record.prompt[:-1], add_generation_prompt=False)
+    elif chat and len(record.prompt) > 1:
+        shared = tokenizer.tokens(record.prompt[:-1], add_generation_prompt=False, template=template)
         intended = common_prefix_len(shared, tokens)
     return PrefixTokens(record, tokens, intended)
 

@@ -23,15 +23,20 @@ class ServerTokenizer:
         self.headers = headers or {}
         self._cache: dict[str, list[int]] = {}
 
-    def tokens(self, prompt: Any, *, add_generation_prompt: bool = True) -> list[int]:
-        """Tokens of a completions prompt (str or ids) or a chat messages list."""
+    def tokens(self, prompt: Any, *, add_generation_prompt: bool = True,
+               template: dict[str, Any] | None = None) -> list[int]:
+        """Tokens of a completions prompt (str or ids) or a chat messages list, rendered with the
+        chat body's other template inputs (``template``: tools, chat_template_kwargs...)."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
-        key = repr((prompt, add_generation_prompt))
+        key = repr((prompt, add_generation_prompt, template))
         if key not in self._cache:
             body: dict[str, Any] = {"model": self.model}
             if isinstance(prompt, list):
+                body.update(template or {})
                 body.update(messages=prompt, add_generation_prompt=add_generation_prompt)
+                if body.get("continue_final_message"):
+                    body["add_generation_prompt"] = False  # vLLM refuses both at once
             else:
                 body["prompt"] = str(prompt)
             self._cache[key] = list(self._post("/tokenize", body)["tokens"])

@@ -88,6 +88,13 @@ def load_dataset(path: Path) -> list[dict[str, Any]]:
             raise BadInputError(
                 f"{path}: request {number} has neither 'prompt' nor 'messages': each line must be "
                 "an OpenAI completions or chat request body")
+        prompt = row.get("prompt")
+        if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
+            if len(prompt) != 1 or not isinstance(prompt[0], (str, list)):
+                raise BadInputError(
+                    f"{path}: request {number}: 'prompt' is a batch of {len(prompt)} prompts: give "
+                    "one prompt per line (a string or a list of token ids), each is timed on its own")
+            row["prompt"] = prompt[0]  # a batch of one is that prompt
         row.pop("stream", None)
         row.pop("stream_options", None)
         bodies.append(row)

@@ -31,6 +31,17 @@ STREAM_HEADERS = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
 _ids = itertools.count()
 
 
+TEMPLATE_KEYS = ("tools", "chat_template", "chat_template_kwargs", "documents",
+                 "add_generation_prompt", "continue_final_message")
+"""Chat body fields vLLM's chat template renders into the prompt beside the messages (and its
+/tokenize takes the same: vllm/entrypoints/serve/tokenize/protocol.py TokenizeChatRequest)."""
+
+
+def template_inputs(body: dict[str, Any]) -> dict[str, Any] | None:
+    found = {k: body[k] for k in TEMPLATE_KEYS if body.get(k) is not None}
+    return found or None
+
+
 class OpenAIStreamUser(FastHttpUser):
     """Base user: subclasses build request bodies and call ``stream()``."""
 
@@ -49,7 +60,7 @@ class OpenAIStreamUser(FastHttpUser):
             worker=store.worker, scenario=store.scenario, phase=phase, group=group,
             users=self.environment.runner.user_count if self.environment.runner else 0,
             scheduled_at=scheduled_at, prompt=body.get("prompt", body.get("messages")),
-            shared_text=shared_text,
+            shared_text=shared_text, template=template_inputs(body) if kind == "chat" else None,
         )
         if scheduled_at is not None:
             record.lateness_s = max(0.0, record.sent_at - scheduled_at)

@@ -18,6 +18,9 @@ from typing import Any
 from kvops.core.errors import BadInputError, KvopsError
 
 CHAT_TEMPLATE = (
+    # tools (an OpenAI body's `tools` array) open the prompt, one JSON line each, as real
+    # templates put them in the system turn: their order is part of the prefix
+    "{% if tools %}<|system|>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</s>\n{% endif %}"
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
     "{% endfor %}"

@@ -218,6 +218,39 @@ def test_drift_from_a_shuffled_tool_list_in_chat(healthy, hf_tokenizer, tmp_path
     assert ev["distinct_could_be_hit_rate"] >= ev["distinct_ideal_hit_rate"] + 0.3
 
 
+def _function(line: str) -> dict:
+    name, description = line.split("(", 1)[0], line.split(": ", 1)[1]
+    return {"type": "function", "function": {"name": name, "description": description,
+                                             "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_drift_from_a_shuffled_openai_tools_array(healthy, hf_tokenizer, tmp_path):
+    """The OpenAI form of the same fault: the body's `tools` array, which the server's chat
+    template renders before the messages (the tiny model's does, as real ones do), shuffled per
+    request, the messages themselves alike. The analysis must read what the server rendered."""
+    bodies = []
+    for i, q in enumerate(QUESTIONS * 3):
+        tools = [_function(t) for t in TOOLS]
+        random.Random(i).shuffle(tools)
+        messages = [{"role": "system", "content": f"{POLICY}\n{POLICY2}"}, {"role": "user", "content": q}]
+        bodies.append({"messages": messages, "tools": tools, "tool_choice": "none",
+                       "max_tokens": 4, "temperature": 0.0})
+    result = loadtest(tmp_path, "prefix-miss", healthy.url, "--dataset",
+                      _write(tmp_path, "openai-tools", bodies), "--duration", "8")
+    (verdict,) = result["verdicts"]
+    assert (verdict["problem"], verdict["cause"]) == ("prefix-miss", "prefix-drift"), verdict
+    ev = verdict["evidence"]
+    answered = {json.dumps([r["prompt"], r["template"]["tools"]]): r
+                for r in map(json.loads, open(result["files"]["records"])) if r["ok"]}
+    rendered = [hf_tokenizer.apply_chat_template(r["prompt"], tools=r["template"]["tools"],
+                                                 add_generation_prompt=True, tokenize=False)
+                for r in answered.values()]
+    assert ev["first_differing_token"] == _lcp([hf_tokenizer(t, add_special_tokens=False)["input_ids"]
+                                                for t in rendered])
+    assert ev["reordered"] is True
+    assert ev["distinct_could_be_hit_rate"] >= ev["distinct_ideal_hit_rate"] + 0.3
+
+
 def test_no_drift_in_a_dataset_with_a_shared_prefix(healthy, tmp_path):
     prompts = [f"Returns desk assistant.\n{POLICY}\n{POLICY2}\n{POLICY3}\nCustomer (order "
                f"{4711 + 37 * i}): {q}\nAssistant:" for i, q in enumerate(QUESTIONS * 3)]

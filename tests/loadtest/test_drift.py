@@ -140,7 +140,8 @@ class WordTokenizer(ServerTokenizer):
     def __init__(self) -> None:
         super().__init__("http://unused", "m")
 
-    def tokens(self, prompt: Any, *, add_generation_prompt: bool = True) -> list[int]:
+    def tokens(self, prompt: Any, *, add_generation_prompt: bool = True,
+               template: dict[str, Any] | None = None) -> list[int]:
         return tok(str(prompt))
 
     def text(self, tokens: list[int]) -> str:
@@ -181,3 +182,11 @@ def test_dataset_without_drift_stays_healthy():
     summary, (v,) = prefix.analyse(_records(prompts), _samples(0.6), WordTokenizer(), 0.8)
     assert v.problem == "healthy"
     assert summary["could_be_hit_rate"] == summary["ideal_hit_rate"] > 0.5
+
+
+def test_a_dataset_prompt_of_token_ids_declares_no_shared_part():
+    # a completions prompt given as token ids is one prompt, not a conversation whose history
+    # (all but the last "message") was meant to be shared
+    record = RequestRecord(request_id="0", kind="completions", sent_at=0.0, prompt=[5, 6, 7, 8])
+    got = prefix._tokens_of(record, ServerTokenizer("http://unused", "m"))
+    assert (got.tokens, got.intended) == ([5, 6, 7, 8], 0)

@@ -35,6 +35,8 @@ def test_scenario_file_with_unknown_key_names_key_and_file(tmp_path):
 @pytest.mark.parametrize(("line", "expected"), [
     ('{"model": "m"}', "neither 'prompt' nor 'messages'"),
     ("not json", "not JSON"),
+    ('{"prompt": ["a", "b"]}', "request 2: 'prompt' is a batch of 2 prompts"),
+    ('{"prompt": [[1, 2], [3]]}', "request 2: 'prompt' is a batch of 2 prompts"),
 ])
 def test_bad_dataset_line(tmp_path, line, expected):
     path = tmp_path / "d.jsonl"
@@ -113,3 +115,12 @@ def test_locustfile_prints_a_path_locust_can_load():
     path = res.stdout.strip()
     assert path.endswith("kv_exhaustion.py")
     assert "glue.wire(\"kv-exhaustion\")" in open(path).read()
+
+
+def test_a_dataset_prompt_batch_of_one_is_that_prompt(tmp_path):
+    from kvops.loadtest.scenarios.workloads import load_dataset
+
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": ["one prompt"]}, {"prompt": [[5, 6, 7]]}, {"prompt": [5, 6, 7]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [b["prompt"] for b in load_dataset(path)] == ["one prompt", [5, 6, 7], [5, 6, 7]]
