@@ -288,3 +288,8 @@ def test_more_load_is_named_load_not_a_slower_phase(healthy, tmp_path):
         if verdict["problem"] == "ttft-regression" and verdict["cause"] == "load":
             assert "load" in verdict["next"]
     print(f"verdicts by multiple of the baseline's rate: {seen}")
+    # at 16x every request is admitted at once (64 users, max_num_seqs 256, 1 GiB of KV) and each
+    # step batches more of them: TTFT grows in prefill, not in the queue, and the cause is load
+    # (CI: arrival x13.1, queue +0.0 s, prefill +0.012 s). Only a client that fell behind with
+    # users to spare (its CPU, not the server) may stand in for it.
+    assert seen[16] in {("ttft-regression", "load"), ("inconclusive", "client-bound")}, seen
