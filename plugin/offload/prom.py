@@ -97,17 +97,6 @@ class OffloadPromMetrics(LMCacheMPPromMetrics):
         url = "http://{host}:{http_port}/metrics".format(**settings)
         _ServerPoller(url, local_disk_path(settings)).start()
 
-
-def publish_capacity(settings: dict[str, Any]) -> None:
-    """``kvops_offload_capacity_bytes``: the most KV the LMCache tiers hold, from the offload
-    settings (the LMCache server is started from the same kvops.yaml): the larger of l1_gib and
-    disk_gib, the disk tier being inclusive (ops/capacity/tiers.py). A trace replay divides it
-    by the stored bytes per token to predict that tier's hits (loadtest/analysis/replay.py)."""
-    tiers = [settings.get("l1_gib") or 0.0, settings.get("disk_gib") or 0.0]
-    gauge("kvops_offload_capacity_bytes",
-          "Most bytes of KV the LMCache tiers hold (max of l1_gib and the inclusive disk_gib)"
-          ).set(max(tiers) * GIB)
-
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
 
@@ -156,6 +145,17 @@ def publish_capacity(settings: dict[str, Any]) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
         for kind, count in data.get(ERRORS, {}).items():
             self._errors.labels(*labels, kind).inc(count)
+
+
+def publish_capacity(settings: dict[str, Any]) -> None:
+    """``kvops_offload_capacity_bytes``: the most KV the LMCache tiers hold, from the offload
+    settings (the LMCache server is started from the same kvops.yaml): the larger of l1_gib and
+    disk_gib, the disk tier being inclusive (ops/capacity/tiers.py). A trace replay divides it
+    by the stored bytes per token to predict that tier's hits (loadtest/analysis/replay.py)."""
+    tiers = [settings.get("l1_gib") or 0.0, settings.get("disk_gib") or 0.0]
+    gauge("kvops_offload_capacity_bytes",
+          "Most bytes of KV the LMCache tiers hold (max of l1_gib and the inclusive disk_gib)"
+          ).set(max(tiers) * GIB)
 
 
 def local_disk_path(settings: dict[str, Any]) -> Path | None:
