@@ -18,7 +18,7 @@ from kvops.core.errors import BadInputError
 from kvops.core.plan import PLAN_COMMANDS, Expectation, KvGroup, read_expectation
 from kvops.core.prom import MetricsSample, cache_int, delta, window
 from kvops.core.stats import mean, percentile
-from kvops.core.verdict import Verdict, healthy
+from kvops.core.verdict import Verdict
 from kvops.loadtest.analysis.ramp import next_run
 from kvops.loadtest.config import KvExhaustionConfig
 from kvops.loadtest.records import RequestRecord
@@ -213,8 +213,11 @@ offered: closed-loop users each keep one request in flight, unless the client fa
 
 def _no_limit(config: KvExhaustionConfig, steps: list[StepResult], evidence: dict[str, Any],
               ramp: dict[str, Any] | None) -> Verdict:
-    """No step bound: healthy only about the load the operator asked for; a sized ramp that
-    ended below the knee, or a client that did not keep its users in flight, tested nothing."""
+    """No step bound: the run never reached the KV limit, so it says that and what to run next
+    (``inconclusive`` / ``limit-not-reached``), whoever chose the users: a sized ramp that ended
+    below the knee, or the ``--users``/``steps`` the operator gave. Never healthy about a limit
+    it did not test (issue 18); the load it did carry is in the evidence (``max_users_tested``,
+    ``kv_usage_max_reached``). A client that did not keep its users in flight tested nothing."""
     top = steps[-1] if steps else None
     seen = (top.running_max + top.waiting_max) if top else 0.0
     evidence.update({
@@ -228,11 +231,14 @@ def _no_limit(config: KvExhaustionConfig, steps: list[StepResult], evidence: dic
                        "load generator fell behind; rerun with --workers N or on a machine with "
                        "more CPU for the client (runbooks/kv-exhaustion.md)")
     if ramp is None:
-        predicted = evidence.get("predicted_max_concurrency")
-        evidence["note"] = (f"no limit bound up to the {evidence['max_users_tested']} users asked "
-                            "for" + (f"; the KV cache holds ~{predicted} such requests, a limit "
-                                     "this run did not test" if predicted else ""))
-        return healthy(**evidence)
+        tested, predicted = evidence["max_users_tested"], evidence.get("predicted_max_concurrency")
+        evidence["note"] = (f"no limit bound up to the {tested} users asked for"
+                            + (f"; the KV cache holds ~{predicted} such requests" if predicted else ""))
+        return Verdict("inconclusive", "limit-not-reached", evidence,
+                       f"{tested} users fit: the KV limit lies beyond them and this run did not "
+                       "test it; to find it, rerun without --users or steps (a ramp sized to the "
+                       "server's KV cache)" + (f" or with --users {2 * int(predicted)}" if predicted else "")
+                       + " (runbooks/kv-exhaustion.md)")
     return Verdict("inconclusive", "limit-not-reached", evidence, next_run(ramp, config))
 
 

@@ -146,11 +146,14 @@ def test_distributed_run_gives_the_same_verdict(vllm, small_kv, tmp_path):
 
 
 def test_kv_exhaustion_healthy_server(healthy, tmp_path):
-    # the load the operator asks for (--users) and nothing binds: healthy about that load
+    # the load the operator asks for (--users) and nothing binds: it fit, and the limit it did
+    # not reach is not called healthy (issue 18)
     _, result = loadtest(tmp_path, "kv-exhaustion", healthy.url, "--users", "4", "--duration", "16")
     (verdict,) = result["verdicts"]
-    assert verdict["problem"] == "healthy", verdict
+    assert (verdict["problem"], verdict["cause"]) == ("inconclusive", "limit-not-reached"), verdict
     assert verdict["evidence"]["limit_reached"] is False
+    assert verdict["evidence"]["max_users_tested"] == 4
+    assert "without --users" in verdict["next"]
     assert all(s["classification"] == "ok" for s in result["steps"])
     # the default ramp in 20 s is 1, 2, 4, 8 users against a cache that holds hundreds: it
     # never reached the limit, so it says so instead of healthy (issue 18)

@@ -91,12 +91,15 @@ def test_no_limit_on_a_sized_ramp_is_inconclusive_never_healthy():
     assert "--duration" in v.next
 
 
-def test_no_limit_at_the_load_the_operator_asked_for_is_healthy_about_that_load():
+def test_no_limit_at_the_load_the_operator_asked_for_is_inconclusive_too():
+    # --users 4 against a cache that holds ~15: the load fit, the limit was never tested
     v = kv._no_limit(DEFAULT, [_step(1, 1, 0.01), _step(4, 4, 0.04)],
                      {"predicted_max_concurrency": 15}, None)
-    assert v.problem == "healthy"
+    assert (v.problem, v.cause) == ("inconclusive", "limit-not-reached")
     assert v.evidence["limit_reached"] is False
-    assert "did not test" in v.evidence["note"]
+    assert v.evidence["max_users_tested"] == 4
+    assert "without --users" in v.next
+    assert "--users 30" in v.next
 
 
 def test_users_the_server_never_saw_are_client_bound():
