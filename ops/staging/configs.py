@@ -14,7 +14,8 @@ import yaml
 # seconds of the state that causes it (production keeps the minutes of runbooks/alerts.yaml).
 FAST_FOR = "3s"
 FAST_WINDOW = "15s"
-_RANGE = re.compile(r"\[(\d+)([smhd])\]")
+_RANGE = re.compile(r"\[(\d+)([smh])\]")
+"""Rate windows; day-long windows are label lookbacks (KvopsVllmDown's model_name) and stay."""
 _OFFSET = re.compile(r"offset \d+[smhd]")
 
 
@@ -31,16 +32,22 @@ def fast_rules(alerts_yaml: str, for_: str = FAST_FOR, window: str = FAST_WINDOW
     return out
 
 
-def prometheus_yml(targets: Sequence[str], rules_file: str, alertmanager: str,
+def prometheus_yml(targets: Sequence[str] | str, rules_file: str, alertmanager: str | None,
                    interval_s: int = 1, job: str = "vllm") -> str:
-    """Scrape the replicas every ``interval_s`` and evaluate the rules as often."""
-    config = {
+    """Scrape the replicas every ``interval_s`` and evaluate the rules as often.
+
+    ``targets`` given as a path is a file_sd list (JSON) Prometheus rereads when it changes: the
+    way service discovery adds and loses targets. No ``alertmanager``: alerts stay in Prometheus."""
+    discovery = ({"file_sd_configs": [{"files": [targets], "refresh_interval": f"{interval_s}s"}]}
+                 if isinstance(targets, str) else {"static_configs": [{"targets": list(targets)}]})
+    config: dict[str, object] = {
         "global": {"scrape_interval": f"{interval_s}s", "evaluation_interval": f"{interval_s}s",
                    "scrape_timeout": f"{interval_s}s"},
         "rule_files": [rules_file],
-        "alerting": {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]},
-        "scrape_configs": [{"job_name": job, "static_configs": [{"targets": list(targets)}]}],
+        "scrape_configs": [{"job_name": job, **discovery}],
     }
+    if alertmanager:
+        config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
     out: str = yaml.safe_dump(config, sort_keys=False)
     return out
 

@@ -180,22 +180,30 @@ class Fleet:
 
     def _start_prometheus(self) -> None:
         assert self.alertmanager is not None
-        port = free_port()
-        root = self.spec.root / "prometheus"
-        root.mkdir(parents=True, exist_ok=True)
-        rules = root / "alerts.yaml"
-        text = self.spec.alerts.read_text()
-        rules.write_text(fast_rules(text) if self.spec.fast_alerts else text)
-        (root / "prometheus.yml").write_text(prometheus_yml(
-            self.instances(), str(rules), f"127.0.0.1:{self.alertmanager.port}", job=JOB))
-        self.prometheus = ManagedServer(
-            name="prometheus",
-            argv=[_exe("prometheus"), f"--config.file={root / 'prometheus.yml'}",
-                  f"--storage.tsdb.path={root / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-                  "--web.enable-lifecycle"],
-            port=port, log_path=root / "prometheus.log", env=_env())
-        self.prometheus.start(health_path="/-/ready", timeout_s=60)
+        self.prometheus = start_prometheus(self.spec.root / "prometheus", self.instances(), self.spec.alerts,
+                                           f"127.0.0.1:{self.alertmanager.port}", fast=self.spec.fast_alerts)
         _wait_targets_up(self.prometheus.url, len(self.replicas))
+
+
+def start_prometheus(root: Path, targets: list[str] | Path, alerts: Path, alertmanager: str | None,
+                     fast: bool = True) -> ManagedServer:
+    """A started Prometheus scraping ``targets`` (host:port list, or a file_sd JSON file) as job
+    JOB every second with ``alerts`` loaded (staging durations when ``fast``)."""
+    port = free_port()
+    root.mkdir(parents=True, exist_ok=True)
+    rules = root / "alerts.yaml"
+    text = alerts.read_text()
+    rules.write_text(fast_rules(text) if fast else text)
+    (root / "prometheus.yml").write_text(prometheus_yml(
+        str(targets) if isinstance(targets, Path) else targets, str(rules), alertmanager, job=JOB))
+    server = ManagedServer(
+        name="prometheus",
+        argv=[_exe("prometheus"), f"--config.file={root / 'prometheus.yml'}",
+              f"--storage.tsdb.path={root / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+              "--web.enable-lifecycle"],
+        port=port, log_path=root / "prometheus.log", env=_env())
+    server.start(health_path="/-/ready", timeout_s=60)
+    return server
 
 
 def _start_all(servers: list[ManagedServer]) -> None:

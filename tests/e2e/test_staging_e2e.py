@@ -2,7 +2,8 @@
 the runbooks' PromQL on live data, alerts that fire under real load and reach the webhook with
 job/instance/model_name/runbook_url, resolve when it stops, a distributed `kvops loadtest`
 through the proxy (metrics from Prometheus) that agrees with one process, and a down alert for a
-killed replica.
+job whose targets all vanished (absent(), on a second Prometheus) and for a killed replica (with
+its model_name).
 
 Tests run in file order on one fleet; the last one kills a replica. The alert rules are
 runbooks/alerts.yaml with staging durations (`for: 3s`, 15 s windows, kvops.ops.staging.configs).
@@ -27,7 +28,7 @@ import pytest
 import requests
 
 from kvops.core.prom import samples_by_name
-from kvops.ops.staging.fleet import Fleet
+from kvops.ops.staging.fleet import Fleet, start_prometheus
 
 from .staging import REPO, promql, proxy_load, wait_for
 from .starved import RERUNS, client_bound, note_rerun
@@ -291,6 +292,37 @@ def test_distributed_loadtest_through_the_proxy_matches_one_process(staging_flee
     assert abs(len(records[0]) - len(records[1])) <= tolerance, f"tolerance {tolerance:.1f}: {shown}"
 
 
+def _down_alerts(prometheus: str) -> list[dict[str, Any]]:
+    alerts: list[dict[str, Any]] = requests.get(prometheus + "/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+    return [a for a in alerts if a["labels"]["alertname"] == "KvopsVllmDown"]
+
+
+def test_a_job_whose_every_target_vanished_fires_the_down_alert_through_absent(
+        staging_fleet: Fleet, tmp_path: Path) -> None:
+    """Service discovery losing every target leaves no `up` series at all, so `up == 0` never
+    fires; `absent(up{job="vllm"})` does. A second, real Prometheus with the staging rules finds
+    one live replica through a file_sd list, which is then emptied."""
+    targets = tmp_path / "targets.json"
+    targets.write_text(json.dumps([{"targets": [staging_fleet.instances()[0]]}]))
+    prometheus = start_prometheus(tmp_path / "prometheus", targets, staging_fleet.spec.alerts, None)
+    try:
+        def up() -> bool:
+            result = requests.get(prometheus.url + "/api/v1/query", params={"query": 'up{job="vllm"} == 1'},
+                                  timeout=10).json()["data"]["result"]
+            return bool(result)
+
+        wait_for("the replica up on the second Prometheus", up)
+        time.sleep(5)  # longer than the staging `for: 3s`: a down alert would be firing by now
+        assert _down_alerts(prometheus.url) == []
+        targets.write_text("[]")
+        alert = wait_for("KvopsVllmDown firing through absent()", lambda: next(
+            (a for a in _down_alerts(prometheus.url) if a["state"] == "firing"), None), timeout_s=120)
+        assert alert["labels"] == {"alertname": "KvopsVllmDown", "job": "vllm", "severity": "critical"}
+        assert "no target" in alert["annotations"]["summary"]
+    finally:
+        prometheus.stop()
+
+
 def test_a_killed_replica_fires_the_down_alert(staging_fleet: Fleet) -> None:
     """Only a down alert that started after the kill counts: under the KV load test a replica too
     busy to answer a 1 s scrape fired one of its own (staging's `for: 3s`), and CI once took that
@@ -303,6 +335,8 @@ def test_a_killed_replica_fires_the_down_alert(staging_fleet: Fleet) -> None:
                                            since=killed_at - 1.0))
     assert alert["labels"]["job"] == "vllm"
     assert alert["labels"]["severity"] == "critical"
+    # up has no model_name; the rule joins it from the series the replica exported before
+    assert alert["labels"]["model_name"] == staging_fleet.spec.served_model_name
     code, doc = fleet_json(staging_fleet)
     assert code == 3
     assert doc["replicas"][victim][0]["cause"] == "target-down"
