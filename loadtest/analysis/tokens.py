@@ -23,10 +23,13 @@ class ServerTokenizer:
         self.headers = headers or {}
         self._cache: dict[str, list[int]] = {}
 
-    def tokens(self, prompt: Any, *, add_generation_prompt: bool = True,
+    def tokens(self, prompt: Any, *, add_generation_prompt: bool | None = None,
                template: dict[str, Any] | None = None) -> list[int]:
         """Tokens of a completions prompt (str or ids) or a chat messages list, rendered with the
-        chat body's other template inputs (``template``: tools, chat_template_kwargs...)."""
+        chat body's other template inputs (``template``: tools, chat_template_kwargs...).
+
+        ``add_generation_prompt`` given (the shared part of a conversation is rendered without
+        one) wins over the body's; left out, the body's own value counts, else vLLM's default."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         key = repr((prompt, add_generation_prompt, template))
@@ -34,7 +37,10 @@ class ServerTokenizer:
             body: dict[str, Any] = {"model": self.model}
             if isinstance(prompt, list):
                 body.update(template or {})
-                body.update(messages=prompt, add_generation_prompt=add_generation_prompt)
+                body["messages"] = prompt
+                if add_generation_prompt is not None:
+                    body["add_generation_prompt"] = add_generation_prompt
+                body.setdefault("add_generation_prompt", True)
                 if body.get("continue_final_message"):
                     body["add_generation_prompt"] = False  # vLLM refuses both at once
             else:

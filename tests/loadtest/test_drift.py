@@ -140,7 +140,7 @@ class WordTokenizer(ServerTokenizer):
     def __init__(self) -> None:
         super().__init__("http://unused", "m")
 
-    def tokens(self, prompt: Any, *, add_generation_prompt: bool = True,
+    def tokens(self, prompt: Any, *, add_generation_prompt: bool | None = None,
                template: dict[str, Any] | None = None) -> list[int]:
         return tok(str(prompt))
 
@@ -190,3 +190,26 @@ def test_a_dataset_prompt_of_token_ids_declares_no_shared_part():
     record = RequestRecord(request_id="0", kind="completions", sent_at=0.0, prompt=[5, 6, 7, 8])
     got = prefix._tokens_of(record, ServerTokenizer("http://unused", "m"))
     assert (got.tokens, got.intended) == ([5, 6, 7, 8], 0)
+
+
+class BodyOf(ServerTokenizer):
+    """Records the /tokenize body instead of sending it (what is asked, not how it is answered:
+    the e2e drift tests tokenize on a real server)."""
+
+    def __init__(self) -> None:
+        super().__init__("http://unused", "m")
+        self.bodies: list[dict[str, Any]] = []
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.bodies.append(body)
+        return {"tokens": [len(self.bodies)]}
+
+
+def test_a_chat_body_s_own_generation_prompt_flag_renders_its_full_prompt():
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    asked = BodyOf()
+    asked.tokens(messages, template={"add_generation_prompt": False, "tools": []})
+    asked.tokens(messages[:1], add_generation_prompt=False, template={"add_generation_prompt": True})
+    asked.tokens(messages)
+    assert [b["add_generation_prompt"] for b in asked.bodies] == [False, False, True]
+    assert asked.bodies[0]["tools"] == []
