@@ -52,7 +52,7 @@ typecheck: setup
 	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/kvops
 	cp kvops/__init__.py kvops/py.typed $(TYPECHECK)/kvops/
 	for d in core ops loadtest plugin; do ln -s ../../../$$d $(TYPECHECK)/kvops/$$d; done
-	cd $(TYPECHECK) && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p kvops.core -p kvops.ops -p kvops.loadtest
+	cd $(TYPECHECK) && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p kvops.core -p kvops.ops -p kvops.loadtest -p kvops.plugin
 
 test-unit: setup
 	$(BIN)/pytest -q -m "not e2e" tests

@@ -35,7 +35,7 @@ def backoff_s(interval_s: float, streak: int, max_backoff_s: float) -> float:
 class ResilientLoop(threading.Thread):
     """Runs each named step every ``interval_s``; a failing step never stops the others."""
 
-    def __init__(self, name: str, steps: Mapping[str, Callable[[], None]], interval_s: float,
+    def __init__(self, name: str, steps: Mapping[str, Callable[[], object]], interval_s: float,
                  max_backoff_s: float = 60.0) -> None:
         super().__init__(name=name, daemon=True)
         self.steps = dict(steps)
@@ -59,7 +59,7 @@ class ResilientLoop(threading.Thread):
         self.streak = 0 if ok else self.streak + 1
         return ok
 
-    def _run_step(self, component: str, step: Callable[[], None]) -> bool:
+    def _run_step(self, component: str, step: Callable[[], object]) -> bool:
         try:
             step()
         except Exception as exc:  # noqa: BLE001 - the loop must outlive any fault of a step

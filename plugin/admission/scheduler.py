@@ -59,7 +59,7 @@ def shape_of(request: Request) -> RequestShape:
 def admission_settings_of(vllm_config: Any) -> AdmissionSettings:
     settings = load_settings(getattr(vllm_config, "additional_config", None))
     if settings is None or settings.admission is None:
-        return AdmissionSettings()
+        return AdmissionSettings.model_validate({})
     return settings.admission
 
 
@@ -135,7 +135,7 @@ class _KVBudgetMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._kvops_gate = KVBudgetGate(self, admission_settings_of(self.vllm_config))  # type: ignore[arg-type,attr-defined]
+        self._kvops_gate = KVBudgetGate(self, admission_settings_of(self.vllm_config))  # type: ignore[attr-defined]
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self._kvops_gate.new_step()

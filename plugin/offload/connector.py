@@ -75,7 +75,7 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
     # -- scheduler side ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        result = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        result: tuple[int | None, bool] = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if result[0] is not None:
             self._kvops_stats.add("kvops_lookups", 1)
             self._kvops_stats.add("kvops_lookup_tokens", request.num_prompt_tokens - num_computed_tokens)
@@ -143,7 +143,7 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
                             for key, block in self._kvops_blocks(meta, meta.op.start)])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed = super().get_block_ids_with_load_errors()
+        failed: set[int] = super().get_block_ids_with_load_errors()
         if failed:
             self._kvops_stats.error("load", len(failed))
             logger.error("kvops offload: LMCache failed to load %d blocks; vLLM recomputes them",

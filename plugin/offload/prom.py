@@ -9,6 +9,7 @@ vLLM instances share one LMCache server they see the same numbers.
 from __future__ import annotations
 
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +180,7 @@ class _ServerPoller(ResilientLoop):
             "kvops_offload_disk_degraded",
             "1 while the local disk tier refuses writes (full or read-only): LMCache stores fail",
         ))
-        steps = {"offload_poller": self.poll_once}
+        steps: dict[str, Callable[[], object]] = {"offload_poller": self.poll_once}
         if self.disk is not None:
             steps["offload_disk_watch"] = self.disk.check
         super().__init__("kvops-offload-poll", steps, SERVER_POLL_S)

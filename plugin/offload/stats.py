@@ -73,7 +73,7 @@ class OffloadStats(LMCacheMPConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        summary = super().reduce()
+        summary: dict[str, int | float] = super().reduce()
         for key in COUNTERS:
             if self.data.get(key):
                 summary[key] = self.data[key]
