@@ -25,6 +25,7 @@ from typing import Any
 
 from kvops.ops.bench import admission_normal
 from kvops.ops.bench.admission_cost import front_door_scaling
+from kvops.ops.bench.admission_leak import leak_check
 from kvops.ops.bench.admission_load import Outcome, open_loop, scrape_counter
 from kvops.ops.launch import ManagedServer, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
@@ -173,6 +174,23 @@ def measure_side_by_side(model: str, stock: ManagedServer, kvops: ManagedServer)
     }
 
 
+DISCONNECTS_PER_PHASE = 1000
+DISCONNECT_RSS_GOAL_MIB = 20.0
+
+
+def disconnects(model: str, stock: ManagedServer, kvops: ManagedServer) -> dict[str, Any]:
+    """DISCONNECTS_PER_PHASE clients hanging up at each phase, on each server in turn: the API
+    server's RSS growth and what is still counted busy. Stock's growth is the reference for
+    what vLLM itself keeps; the goal is on kvops' (issue 15: under 20 MB)."""
+    out: dict[str, Any] = {}
+    for name, server in (("stock", stock), ("kvops", kvops)):
+        assert server.process is not None
+        out[name] = leak_check(server.url, model, server.process.pid, DISCONNECTS_PER_PHASE)
+    out["goal_rss_growth_mib"] = DISCONNECT_RSS_GOAL_MIB
+    out["goal_met"] = out["kvops"]["rss_growth_mib"] < DISCONNECT_RSS_GOAL_MIB and out["kvops"]["still_busy"] == 0
+    return out
+
+
 def run() -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvops-bench-admission-") as tmp:
         workdir = Path(tmp)
@@ -182,6 +200,7 @@ def run() -> dict[str, Any]:
         try:
             start_both((stock, kvops))
             result = measure_side_by_side(str(model), stock, kvops)
+            result["disconnects"] = disconnects(str(model), stock, kvops)
         finally:
             for server in (stock, kvops):
                 server.stop()
@@ -196,6 +215,9 @@ def run() -> dict[str, Any]:
         **admission_normal.normal_load_result(result["normal"], cost),
         "policy_cost_us_per_step_256_running": cost["scheduler_256_running"]["added_us_per_step"],
         **scaling,
+        "disconnects": result["disconnects"],
+        "disconnect_rss_growth_mib": result["disconnects"]["kvops"]["rss_growth_mib"],
+        "disconnect_still_busy": result["disconnects"]["kvops"]["still_busy"],
         "setup": {
             "kv_blocks": KV_BLOCKS, "block_tokens": BLOCK_TOKENS, "max_model_len": MAX_MODEL_LEN,
             "ttft_slo_s": TTFT_SLO_S, "overload": result["overload"],
