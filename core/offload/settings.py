@@ -18,11 +18,13 @@ TransferModeSetting = Literal["auto", "engine_driven", "lmcache_driven"]
 ServerTransferMode = Literal["engine_driven", "lmcache_driven", "auto"]
 LMCacheMode = Literal["server", "in_process"]
 
-DIGEST_LINE_BYTES = 44
-"""One line of the block digest file: 32 hex digits of key, a space, a CRC32 (<= 10 digits)."""
+DIGEST_LINE_BYTES = 54
+"""One line of the block digest file: 32 hex digits of key, a space, an xxh3_64 (<= 20 digits)."""
+DIGEST_HEADER = "# kvops block digests: xxh3_64\n"
+"""First line of a digest file; an earlier kvops wrote CRC32s without it: such a file is discarded."""
 DIGEST_SHARE = 0.01
 """Block digests may take this share of disk_gib beside the disk tier (at least DIGEST_MIN_BYTES).
-A block is >= 128 tokens of KV (kilobytes per token), a digest line 44 bytes, so 1% holds twice
+A block is >= 128 tokens of KV (kilobytes per token), a digest line 54 bytes, so 1% holds twice
 the digests of a full tier even for tiny models (the file compacts at its budget)."""
 DIGEST_MIN_BYTES = 1 << 20
 

@@ -33,7 +33,7 @@ from kvops.core.offload.settings import digest_budget_bytes
 from kvops.plugin._compat import refuse_in_engine
 from kvops.plugin.offload.integrity import (
     BlockDigests,
-    block_crc,
+    BlockHasher,
     block_keys,
     first_group_blocks,
 )
@@ -52,7 +52,7 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         self._kvops_healthy = True
         self._kvops_bytes_per_token = 0.0
         self._kvops_loads: dict[str, tuple[float, int, Any]] = {}
-        self._kvops_layers: list[Any] = []
+        self._kvops_hash: BlockHasher | None = None
         self._kvops_digests: BlockDigests | None = None
         self._kvops_bad_blocks: set[int] = set()
         self._kvops_to_verify: list[Any] = []
@@ -93,7 +93,7 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         settings = self._vllm_config.kv_transfer_config.kv_connector_extra_config.get(
             "kvops.offload", {})
         if settings.get("verify_kv", True) and all(t.device.type == "cpu" for t in layers):
-            self._kvops_layers = layers
+            self._kvops_hash = BlockHasher(layers)
             self._kvops_digests = BlockDigests(digest_path(settings, self._vllm_config),
                                                max_file_bytes=digest_budget_bytes(
                                                    settings.get("disk_gib")))
@@ -135,11 +135,11 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
                 self._kvops_record("store", tokens, time.perf_counter() - started)
 
     def _kvops_record_digests(self, moves: list[tuple[Any, int]]) -> None:
-        digests = self._kvops_digests
-        if digests is None:
+        digests, digest_of = self._kvops_digests, self._kvops_hash
+        if digests is None or digest_of is None:
             return
         for meta, _ in moves:
-            digests.record([(key, block_crc(self._kvops_layers, block))
+            digests.record([(key, digest_of(block))
                             for key, block in self._kvops_blocks(meta, meta.op.start)])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -204,12 +204,13 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
     def _kvops_verify(self, meta: Any) -> bool | None:
         """Blocks LMCache wrote must match what was stored; from a mismatch on, recompute.
         True: every block matched; None: some block had no checksum; False: a mismatch."""
-        if self._kvops_digests is None:
+        digests, digest_of = self._kvops_digests, self._kvops_hash
+        if digests is None or digest_of is None:
             return None
         entries = self._kvops_blocks(meta, meta.op.start + getattr(meta.op, "skip_first_n_tokens", 0))
         verified: bool | None = True
         for index, (key, block) in enumerate(entries):
-            verdict = self._kvops_digests.check(key, block_crc(self._kvops_layers, block))
+            verdict = digests.check(key, digest_of(block))
             if verdict is None:
                 self._kvops_stats.add("kvops_unverified_blocks", 1)
                 verified = None

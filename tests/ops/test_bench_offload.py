@@ -102,3 +102,13 @@ def test_a_knob_is_judged_against_the_default_measured_in_the_same_run():
     assert chunks["effect"] == "hurts"  # L1 hit 0.07 -> 0.10, miss unchanged
     assert within["effect"] == "no clear effect"  # moves inside the variants' own spread
     assert report["miss_overhead_ratio"] == pytest.approx(0.15, abs=0.012)  # top level: default
+
+
+def test_the_digest_cost_is_measured_beside_the_crc32_it_replaced():
+    """Both are timed on the same KV of the reference shape in one call (kvops bench offload
+    reports them as digest_ms_per_prompt and crc32_ms_per_prompt); no speed is asserted here."""
+    from kvops.ops.bench.offload import digest_ms_per_prompt
+
+    costs = digest_ms_per_prompt(repeats=1)
+    assert set(costs) == {"digest_ms_per_prompt", "crc32_ms_per_prompt"}
+    assert all(0 < ms < float("inf") for ms in costs.values())

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvops.plugin.offload.integrity import BlockDigests, block_crc, block_keys, first_group_blocks
+from kvops.core.offload.settings import DIGEST_HEADER, DIGEST_LINE_BYTES
+from kvops.plugin.offload.integrity import BlockDigests, BlockHasher, block_keys, first_group_blocks
 
 
 def test_keys_depend_on_every_earlier_token_and_the_seed():
@@ -27,13 +28,24 @@ def test_keys_depend_on_every_earlier_token_and_the_seed():
     assert block_keys("other-model|", tokens, 128, 4)[0] != keys[0]
 
 
-def test_crc_sees_one_flipped_byte_in_any_layer():
+def test_digest_sees_one_flipped_byte_in_any_layer_written_after_it_was_set_up():
     layers = [torch.randn(6, 2, 128, 128).to(torch.bfloat16) for _ in range(3)]  # CPU layout
-    before = block_crc(layers, 4)
-    assert block_crc(layers, 4) == before
-    assert block_crc(layers, 3) != before
+    digest_of = BlockHasher(layers)  # reads the layers in place: later writes count
+    before = digest_of(4)
+    assert digest_of(4) == before
+    assert digest_of(3) != before
     layers[2].view(torch.uint8).view(6, -1)[4, 1000] ^= 1
-    assert block_crc(layers, 4) != before
+    assert digest_of(4) != before
+    layers[2].view(torch.uint8).view(6, -1)[4, 1000] ^= 1
+    assert digest_of(4) == before
+
+
+def test_a_layer_not_laid_out_densely_digests_the_same_bytes():
+    dense = [torch.randn(6, 2, 16, 64).to(torch.bfloat16) for _ in range(2)]
+    # the same values, held block-last in memory: a [num_blocks, ...] view of it is strided
+    strided = [layer.permute(1, 2, 3, 0).contiguous().permute(3, 0, 1, 2) for layer in dense]
+    assert not strided[0].is_contiguous()
+    assert [BlockHasher(strided)(b) for b in range(6)] == [BlockHasher(dense)(b) for b in range(6)]
 
 
 def test_digests_survive_a_restart_and_report_unknown_blocks(tmp_path: Path):
@@ -73,19 +85,22 @@ def _key(i: int) -> bytes:
 
 def test_the_file_is_compacted_at_its_budget_and_keeps_the_newest(tmp_path: Path):
     path = tmp_path / "l2.kvops-digests.rank0"
-    digests = BlockDigests(path, max_file_bytes=44 * 40)  # 20 entries in memory, 40 lines on disk
+    budget = DIGEST_LINE_BYTES * 40  # 20 entries in memory, 40 lines on disk
+    digests = BlockDigests(path, max_file_bytes=budget)
     for i in range(500):
-        digests.record([(_key(i), i)])
-        assert path.stat().st_size <= 44 * 40
-    reloaded = BlockDigests(path, max_file_bytes=44 * 40)
-    assert reloaded.check(_key(499), 499) is True
-    assert reloaded.check(_key(0), 0) is None
+        digests.record([(_key(i), (1 << 64) - 1 - i)])  # the widest digests
+        assert path.stat().st_size <= budget
+    assert path.read_text().startswith(DIGEST_HEADER)
+    reloaded = BlockDigests(path, max_file_bytes=budget)
+    assert reloaded.check(_key(499), (1 << 64) - 500) is True
+    assert reloaded.check(_key(0), (1 << 64) - 1) is None
     assert len(reloaded) <= 20
 
 
 @pytest.mark.parametrize("content", [
     b"\xff\xfe\x00garbage" * 10,  # not text (used to crash the worker with UnicodeDecodeError)
     b"hello world\nnot digests\nat all\n",  # text, but not ours
+    f"{KEY.hex()} 1\n{(b'j' * 16).hex()} 4294967295\n".encode(),  # CRC32s of an earlier kvops
 ])
 def test_a_corrupt_file_is_discarded_with_a_warning(tmp_path: Path, content: bytes,
                                                      caplog: pytest.LogCaptureFixture):
@@ -103,10 +118,10 @@ def test_a_corrupt_file_is_discarded_with_a_warning(tmp_path: Path, content: byt
 def test_an_oversized_file_is_discarded_without_reading_it(tmp_path: Path,
                                                            caplog: pytest.LogCaptureFixture):
     path = tmp_path / "l2.kvops-digests.rank0"
-    path.write_text(f"{KEY.hex()} 1\n" * 100)
+    path.write_text(DIGEST_HEADER + f"{KEY.hex()} 1\n" * 100)
     with caplog.at_level(logging.WARNING, logger="vllm.plugins.kvops.offload"):
-        digests = BlockDigests(path, max_file_bytes=44 * 10)
-    assert "above its 440-byte budget" in caplog.text
+        digests = BlockDigests(path, max_file_bytes=DIGEST_LINE_BYTES * 10)
+    assert "above its 540-byte budget" in caplog.text
     assert digests.check(KEY, 1) is None
 
 
