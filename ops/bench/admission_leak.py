@@ -3,7 +3,7 @@
 A killed client closes its socket at one of four moments: before its request's headers are
 complete, while the engine computes the prompt, in the middle of a stream, or while it waits for
 a non-streamed answer. Each must leave nothing behind in the API server: no in-flight request,
-no tenant slot, no memory that grows with the number of such clients. ``hang_ups`` sends them;
+no tenant slot, no memory that grows with the number of such clients. ``hang_up`` sends one;
 ``leak_check`` measures the API server's RSS before and after (on Linux, /proc) and what
 vLLM's and the plugin's gauges still count. The e2e test and ``kvops bench admission`` both use
 it, on real servers.

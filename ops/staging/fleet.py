@@ -182,7 +182,7 @@ class Fleet:
         assert self.alertmanager is not None
         self.prometheus = start_prometheus(self.spec.root / "prometheus", self.instances(), self.spec.alerts,
                                            f"127.0.0.1:{self.alertmanager.port}", fast=self.spec.fast_alerts)
-        _wait_targets_up(self.prometheus.url, len(self.replicas))
+        wait_targets_up(self.prometheus.url, len(self.replicas))
 
 
 def start_prometheus(root: Path, targets: list[str] | Path, alerts: Path, alertmanager: str | None,
@@ -225,7 +225,9 @@ def _start_all(servers: list[ManagedServer]) -> None:
         raise errors[0]
 
 
-def _wait_targets_up(prometheus: str, n: int, timeout_s: float = 60) -> None:
+def wait_targets_up(prometheus: str, n: int, timeout_s: float = 60) -> None:
+    """Return once ``prometheus`` has scraped ``n`` targets of the vLLM job up; KvopsError after
+    ``timeout_s``."""
     import time
 
     deadline = time.monotonic() + timeout_s

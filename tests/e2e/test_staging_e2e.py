@@ -28,9 +28,9 @@ import pytest
 import requests
 
 from kvops.core.prom import samples_by_name
-from kvops.ops.staging.fleet import Fleet, start_prometheus
+from kvops.ops.staging.fleet import Fleet, start_prometheus, wait_targets_up
 
-from .staging import REPO, promql, proxy_load, wait_for
+from .staging import REPO, WAIT_S, promql, proxy_load, wait_for
 from .starved import RERUNS, client_bound, note_rerun
 
 pytestmark = pytest.mark.e2e
@@ -306,12 +306,7 @@ def test_a_job_whose_every_target_vanished_fires_the_down_alert_through_absent(
     targets.write_text(json.dumps([{"targets": [staging_fleet.instances()[0]]}]))
     prometheus = start_prometheus(tmp_path / "prometheus", targets, staging_fleet.spec.alerts, None)
     try:
-        def up() -> bool:
-            result = requests.get(prometheus.url + "/api/v1/query", params={"query": 'up{job="vllm"} == 1'},
-                                  timeout=10).json()["data"]["result"]
-            return bool(result)
-
-        wait_for("the replica up on the second Prometheus", up)
+        wait_targets_up(prometheus.url, 1, timeout_s=WAIT_S)
         time.sleep(5)  # longer than the staging `for: 3s`: a down alert would be firing by now
         assert [a for a in _down_alerts(prometheus.url) if a["state"] == "firing"] == []
         targets.write_text("[]")
