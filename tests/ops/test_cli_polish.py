@@ -3,6 +3,10 @@ and completion installs."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import typer
 from typer.testing import CliRunner
 
@@ -40,6 +44,13 @@ def test_closed_choices_are_typer_enums():
 def test_shell_completion_is_offered():
     res = CliRunner().invoke(app, ["--help"])
     assert "--install-completion" in res.output
-    res = CliRunner().invoke(app, ["--show-completion", "bash"])
-    assert res.exit_code == 0
-    assert "_KVOPS_COMPLETE" in res.output
+    # Typer finds the shell from the process tree (shellingham), not from an argument: run it
+    # from bash, as an operator would, and not from wherever pytest happens to be started
+    # (a detached run with no shell above it got "Shell  not supported").
+    kvops = Path(sys.executable).with_name("kvops")
+    # (two commands: bash would exec a lone one and leave no shell above it)
+    res = subprocess.run(["bash", "-c", f"'{kvops}' --show-completion; exit $?"], capture_output=True,
+                         text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "_KVOPS_COMPLETE" in res.stdout
+    assert "complete -o default -F _kvops_completion kvops" in res.stdout
