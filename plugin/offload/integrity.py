@@ -6,9 +6,10 @@ worker therefore records a digest (xxh3_64) of every block it gives LMCache, key
 hash of the tokens up to the end of that block (plus model and cache salt), and checks the blocks
 LMCache writes back before vLLM uses them. The digest runs inside vLLM's step on the TTFT path of
 every store and load: xxh3 reads vLLM's KV in place at ~8 GB/s here, where the zlib CRC32 of
-earlier kvops ran at ~2.4 GB/s (~25 ms of a 2,048-token load of the offload bench's model). A mismatch is reported to vLLM as a failed block load, and
-vLLM recomputes from that block on (vllm/v1/core/sched/scheduler.py ``_handle_invalid_blocks``,
-with ``kv_load_failure_policy="recompute"`` set by the wiring).
+earlier kvops ran at ~2.4 GB/s (~25 ms of a 2,048-token load of the offload bench's model). A
+mismatch is reported to vLLM as a failed block load, and vLLM recomputes from that block on
+(vllm/v1/core/sched/scheduler.py ``_handle_invalid_blocks``, with
+``kv_load_failure_policy="recompute"`` set by the wiring).
 
 Digests live in memory and, when the disk tier is on this machine, in an append-only file next
 to it (bounded, compacted, counted in the disk budget), so they survive restarts of LMCache and
