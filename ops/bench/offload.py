@@ -296,13 +296,13 @@ def digest_ms_per_prompt(repeats: int = 5) -> dict[str, float]:
 
     import torch
 
-    from kvops.plugin.offload.integrity import BlockHasher
+    from kvops.plugin.offload.integrity import BlockHasher, block_rows
 
     block, shape = 128, REFERENCE_SHAPE
     blocks = list(range(1, 1 + PROMPT_TOKENS // block))
     layers = [torch.randn(len(blocks) + 2, shape.kv_heads, block, 2 * shape.head_dim).to(torch.bfloat16)
               for _ in range(shape.layers)]
-    rows = [layer.view(torch.uint8).view(layer.shape[0], -1).numpy() for layer in layers]
+    rows = [block_rows(layer) for layer in layers]
     digest_of = BlockHasher(layers)
 
     def crc32(block_id: int) -> int:

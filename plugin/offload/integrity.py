@@ -226,7 +226,7 @@ class BlockHasher:
 
     def __init__(self, layers: Sequence[Any]) -> None:
         self._layers = list(layers)
-        self._rows = [_rows(layer) for layer in self._layers]
+        self._rows = [block_rows(layer) for layer in self._layers]
 
     def __call__(self, block_id: int) -> int:
         digest = xxhash.xxh3_64()
@@ -236,7 +236,7 @@ class BlockHasher:
         return digest.intdigest()
 
 
-def _rows(layer: Any) -> Any:
+def block_rows(layer: Any) -> Any:
     """``layer`` as a [num_blocks, bytes of one block] uint8 numpy view sharing its memory, or
     None when its memory is not one dense run (a view would then be a copy, soon stale)."""
     if not layer.is_contiguous() or layer.dim() < 2:

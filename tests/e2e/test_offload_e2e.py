@@ -86,7 +86,8 @@ class Lmcache:
         }
         self.config = root / "kvops.yaml"
         self.config.write_text(json.dumps({"offload": self.settings}))
-        self.earlier_digests = root / f"{self.disk.name}.kvops-digests.rank0"
+        self.digest_file = self.disk.parent / f"{self.disk.name}.kvops-digests.rank0"
+        """Where the worker keeps its block digests: beside the tier (connector.digest_path)."""
         self.url = f"http://127.0.0.1:{self.settings['http_port']}"
         self.serve: ManagedServer | None = None
         self.starts = 0
@@ -126,7 +127,7 @@ def lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
     server = Lmcache(tmp_path_factory.mktemp("offload"))
     # What an earlier kvops left beside the tier: CRC32 digests, no header line. Taken as xxh3
     # digests they would call every block they list corrupt (test_an_earlier_kvops_digest_file...).
-    server.earlier_digests.write_text("".join(f"{os.urandom(16).hex()} {random.getrandbits(32)}\n"
+    server.digest_file.write_text("".join(f"{os.urandom(16).hex()} {random.getrandbits(32)}\n"
                                               for _ in range(40)))
     server.start()
     yield server
@@ -322,11 +323,11 @@ def test_an_earlier_kvops_digest_file_is_discarded_and_replaced_by_ours(
     """Upgrading over a disk tier whose digest file holds CRC32s (no header line): the worker
     says it discards the file at start-up, then writes its own, header first."""
     log = vllm.log_of(offload_vllm)
-    assert f"discarding the block digest file {lmcache.earlier_digests}" in log, log[-3000:]
+    assert f"discarding the block digest file {lmcache.digest_file}" in log, log[-3000:]
     assert "no xxh3 header" in log
     complete(offload_vllm.url, tiny_model, token_prompt(9), 1)
-    wait_for("the worker's own digest file", lambda: lmcache.earlier_digests.exists()
-             and lmcache.earlier_digests.read_text().startswith(DIGEST_HEADER))
+    wait_for("the worker's own digest file", lambda: lmcache.digest_file.exists()
+             and lmcache.digest_file.read_text().startswith(DIGEST_HEADER))
 
 
 def test_disk_tier_stays_under_its_cap_under_distinct_prefixes(offload_vllm, tiny_model, lmcache):
