@@ -65,7 +65,12 @@ def engine_utils(monkeypatch):
 
     monkeypatch.setattr(engine_utils, "wait_for_engine_startup", _engine_died)
     for name in (_compat.FRONTEND_PID_ENV, _compat.REFUSAL_NOTE_ENV):
-        monkeypatch.delenv(name, raising=False)
+        # set, then deleted: monkeypatch records the variable and removes what arming writes
+        # after the test (a bare delenv of an unset variable records nothing, and this pytest
+        # process then passed KVOPS_FRONTEND_PID to every server it started: a refusing one
+        # took itself for an engine process and exited 2 without its line)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     _compat.arm_engine_refusal()
     return engine_utils
 
