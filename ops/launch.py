@@ -8,6 +8,7 @@ the tail of the log.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -73,23 +74,50 @@ class ManagedServer:
     """SIGTERM the server when the process that started it dies, even by SIGKILL (Linux
     PR_SET_PDEATHSIG): a supervisor's `kill -9` must not leave it holding memory and ports."""
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _raised: bool = field(default=False, init=False, repr=False)
+    """``launch`` started its processes above the servers' niceness; ``settle`` lowers them."""
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def start(self, health_path: str = "/health", timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> None:
+        self.launch()
+        self.wait_ready(health_path, timeout_s)
+        self.settle()
+
+    def launch(self, starting_nice: int = 0) -> None:
+        """Start the process and return at once (``start`` also waits until it is ready).
+        ``starting_nice``: its niceness until ``settle``, e.g. 19 for a start beside a running
+        workload that should take only idle CPU; 0: the servers' niceness, as ``start`` does.
+        It is the session's (scheduling autogroup's) niceness, and where we may lower it again
+        (``can_renice``) its processes' too, which is what counts where autogroups are off."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         nice = server_nice()
+        self._raised = bool(starting_nice > nice and can_renice())
         with open(self.log_path, "ab") as log:
             process = subprocess.Popen(  # noqa: S603 - argv built by us
                 self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                 start_new_session=True,
-                preexec_fn=_in_child(nice, os.getpid() if self.die_with_parent else None),  # noqa: PLW1509
+                preexec_fn=_in_child(starting_nice if self._raised else nice,  # noqa: PLW1509
+                                     os.getpid() if self.die_with_parent else None),
             )
         self.process = process
-        self.wait_ready(health_path, timeout_s)
-        _autogroup_nice(process.pid, nice)
+        if starting_nice:
+            _autogroup_nice(process.pid, starting_nice)
+
+    def settle(self) -> None:
+        """Give the server the servers' niceness once it is ready (or needed): its session's
+        (``_autogroup_nice``; from the 19 of ``launch(starting_nice=19)`` down to it needs no
+        privilege, only a negative nice does) and, where ``launch`` raised them, every thread
+        of its processes'."""
+        if self.process is None:
+            return
+        nice = server_nice()
+        _autogroup_nice(self.process.pid, nice, force=True)
+        if self._raised:
+            _renice_group(self.process.pid, nice)
+            self._raised = False
 
     def wait_ready(self, health_path: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -159,7 +187,7 @@ def _in_child(nice: int, parent: int | None) -> Callable[[], None] | None:
     return run
 
 
-def _autogroup_nice(pid: int, nice: int) -> None:
+def _autogroup_nice(pid: int, nice: int, force: bool = False) -> None:
     """Give a ready server's session the niceness of its threads. The server runs in a session
     of its own (start_new_session, so a stop reaches the whole group), and with the kernel's
     autogroup scheduling on (/proc/sys/kernel/sched_autogroup_enabled, the default of most
@@ -172,13 +200,48 @@ def _autogroup_nice(pid: int, nice: int) -> None:
     start: a start is mostly imports that no load generator waits beside, and in the clean-clone
     run that niced it from the start, starts averaged 62 s against 46 s in the run before.
     Nothing to do where autogroups are off or absent, or at nice 0; raising a group's nice needs
-    no privilege."""
-    if not nice:
+    no privilege. ``force``: write it at nice 0 too (a session niced for its start, put back)."""
+    if not nice and not force:
         return
+    for _ in range(5):  # without CAP_SYS_ADMIN one write per 100 ms machine-wide, else EAGAIN
+        try:
+            Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+            return
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN:
+                return
+            time.sleep(0.11)
+
+
+def can_renice() -> bool:
+    """Whether this process may lower a niceness it raised (root: CAP_SYS_NICE), which
+    ``launch(starting_nice=...)`` then does for the server's threads on ``settle``."""
+    return os.geteuid() == 0
+
+
+def autogroups_on() -> bool:
+    """Whether the kernel schedules each session as one group whose niceness we can read back
+    (sched_autogroup_enabled is 1 and /proc/self/autogroup shows a nice: some kernels show the
+    file empty), which ``launch``'s ``starting_nice`` sets."""
     try:
-        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+        return (Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+                and " nice " in Path("/proc/self/autogroup").read_text())
     except OSError:
-        pass
+        return False
+
+
+def _renice_group(pgid: int, nice: int) -> None:
+    """Set every thread of every process in process group ``pgid`` to niceness ``nice``."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) != pgid:
+                continue
+            for task in (proc / "task").iterdir():
+                os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+        except (OSError, ValueError):
+            continue  # gone meanwhile
 
 
 def _parent_death_signal(parent: int) -> Callable[[], None]:

@@ -13,7 +13,7 @@ import pytest
 
 from kvops.core.errors import KvopsError
 from kvops.core.proc import free_port
-from kvops.ops.launch import SERVER_NICE_ENV, ManagedServer
+from kvops.ops.launch import SERVER_NICE_ENV, ManagedServer, autogroups_on, can_renice
 
 
 def _server(tmp_path, port: int) -> ManagedServer:
@@ -81,6 +81,40 @@ def test_a_server_started_by_a_niced_server_keeps_that_niceness(tmp_path, monkey
         assert _nice_of(inner) == max(os.nice(0), 10)
     finally:
         outer.stop()
+
+
+def _thread_nices(pid: int) -> set[int]:
+    return {_nice_of_task(pid, int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()}
+
+
+def _nice_of_task(pid: int, tid: int) -> int:
+    with open(f"/proc/{pid}/task/{tid}/stat") as handle:
+        return int(handle.read().rsplit(")", 1)[1].split()[16])
+
+
+def test_a_start_ahead_runs_at_19_until_settled_at_the_servers_niceness(tmp_path, monkeypatch):
+    """What the e2e pool's starts ahead rely on: ``launch(starting_nice=19)`` runs the start
+    at 19 (its processes' nice as root, its session's where autogroups show one) and ``settle``
+    puts it back to KVOPS_SERVER_NICE, every thread of it, once it is needed."""
+    if not (can_renice() or autogroups_on()):
+        pytest.skip("neither root nor readable autogroups: the pool starts nothing ahead here")
+    monkeypatch.setenv(SERVER_NICE_ENV, "5")
+    server = _server(tmp_path, free_port())
+    server.launch(starting_nice=19)
+    try:
+        assert server.process is not None
+        pid = server.process.pid
+        if can_renice():
+            assert _thread_nices(pid) == {19}
+        if autogroups_on():
+            assert _autogroup_nice_of(pid) == 19
+        server.wait_ready("/", 30)
+        server.settle()
+        assert _thread_nices(pid) == {max(os.nice(0), 5)}
+        if autogroups_on():
+            assert _autogroup_nice_of(pid) == 5
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("bad", ["-5", "20", "ten", "1.5"])
