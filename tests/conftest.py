@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,48 @@ SHARED_DIR = (REPO_ROOT.parent / "shared").resolve()
 MODEL_CONFIGS_DIR = SHARED_DIR / "fixtures" / "model-configs"
 
 
-@pytest.fixture(scope="session")
-def repo_root() -> Path:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Unit tests first, then the e2e tests (each group in its own order): a unit failure shows
+    in minutes, and the first e2e modules' servers start while the unit tests run."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
+
+
+@pytest.fixture(autouse=True)
+def _environment_kept(request: pytest.FixtureRequest) -> Iterator[None]:
+    """What a unit test leaves in os.environ is undone after it: the e2e servers, which start
+    after the unit tests, inherit this process's environment. Found by running them in that
+    order: vLLM's CPU platform, brought up in-process by a bench unit test, sets LD_PRELOAD and
+    seven other variables; an armed refusal hook (tests/plugin/test_engine_refusal.py) left
+    KVOPS_FRONTEND_PID, and a refusing server took itself for an engine process."""
+    if request.node.get_closest_marker("e2e"):
+        yield
+        return
+    before = dict(os.environ)
+    yield
+    for name in set(os.environ) - set(before) - {"PYTEST_CURRENT_TEST"}:
+        del os.environ[name]
+    for name, value in before.items():
+        if os.environ.get(name) != value and name != "PYTEST_CURRENT_TEST":
+            os.environ[name] = value
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _e2e_servers_ahead(request: pytest.FixtureRequest,
+                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """While the unit tests run (one core of two, mostly), the first e2e modules' servers start
+    at low priority (tests/e2e/conftest.py ``start_ahead``); nothing where no e2e test or no
+    unit test is selected."""
+    items = request.session.items
+    modules = list(dict.fromkeys(item.module for item in items if item.get_closest_marker("e2e")))
+    if not modules or items[0].get_closest_marker("e2e"):
+        yield
+        return
+    from e2e.conftest import session_pool, start_ahead
+
+    start_ahead(modules, tmp_path_factory)
+    yield
+    session_pool(tmp_path_factory).stop_all()  # as the `vllm` fixture does, had no e2e test run
+
     return REPO_ROOT
 
 

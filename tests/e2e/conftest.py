@@ -11,6 +11,10 @@ Usage in a test::
         server = vllm(tiny_model, "--max-model-len", "2048")
         requests.post(server.url + "/v1/completions", ...)
 
+Servers needed later start *ahead* at nice 19 (``VllmServers.ahead``): the next modules'
+SERVERS while a module runs, the first e2e modules' while the unit tests run, a runbook's later
+states' while a state's commands run.
+
 A server that fails to start raises ServerStartError carrying its log tail; ``vllm.log_of``
 gives the log of any server for assertions on what vLLM printed.
 """
@@ -21,14 +25,21 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
 from kvops.core.proc import free_port
-from kvops.ops.launch import ManagedServer, ServerStartError, vllm_server
+from kvops.ops.launch import (
+    DEFAULT_READY_TIMEOUT_S,
+    ManagedServer,
+    ServerStartError,
+    autogroups_on,
+    can_renice,
+    vllm_server,
+)
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 
 from .staging import staging_fleet  # noqa: F401 - the session's staging fleet (issue 14)
@@ -43,13 +54,28 @@ Locust, the test itself). A start that would leave less stops the least recently
 With up to six alive the session restarts fewer configurations than with four (which restarted
 the plugin-free 2048-token server three times, ~50 s a start)."""
 SHARED_ARGS = {("--max-model-len", "1024"), ("--max-model-len", "2048")}
-"""The configurations most e2e tests share (1 GiB of KV, no env): evicted last."""
+STOCK_ENV = (("VLLM_PLUGINS", "none"),)
+"""The configurations most e2e tests share (1 GiB of KV, no env, or the plugin-free STOCK
+server the offload and plugin modules compare with): evicted last."""
 REFUSING_AT_ONCE = 3
 START_AT_ONCE = 2
 """Servers ``VllmServers.many`` starts at a time, one per core. Measured here: two side by side
 ready in 47 s each (one alone: 40 s); four at once in 116 s each, slower than two pairs."""
 STARTS: list[tuple[str, float]] = []
 """Every `vllm serve` the pool started this session: its arguments and seconds to ready."""
+AHEAD_NICE = 19
+"""A server started ahead of the test that needs it (``VllmServers.ahead``) runs its start in a
+session at nice 19: its imports take only the CPU the running test leaves idle. Once claimed it
+gets the servers' niceness (ManagedServer.settle)."""
+AHEAD_AT_ONCE = 2
+AHEAD_RESERVE = 2
+"""Servers' memory (a 1 GiB-KV server's each) kept free beside servers started ahead, for what
+the running module starts meanwhile (``many`` stops the least recently used to make room)."""
+AHEAD_MODULES = 2
+"""How many of the next modules' SERVERS a module's start looks at (further ahead, servers
+would sit idle in the pool through modules that need the places)."""
+AHEAD: list[tuple[str, float]] = []
+"""Servers started ahead and claimed: arguments and seconds the claiming test still waited."""
 
 pytestmark = pytest.mark.e2e
 
@@ -76,16 +102,22 @@ class TinyModels:
 @dataclass(frozen=True)
 class Want:
     """One pool configuration, as ``vllm(model, *args, kv_cache_bytes=..., env=...)`` takes it;
-    in a module's SERVERS, ``model=None`` is the session's default tiny model."""
+    in a module's SERVERS, ``model=None`` is the session's tiny model of shape ``shape``
+    (TinyModelSpec fields; none: the default shape)."""
 
     model: Path | None
     args: tuple[str, ...] = ()
     kv_cache_bytes: int | None = 1 << 30
     env: dict[str, str] | None = None
     fresh: bool = False
+    shape: tuple[tuple[str, int], ...] = ()
 
-    def on(self, default: Path) -> Want:
-        return self if self.model is not None else replace(self, model=default)
+    def on(self, models: TinyModels | Path) -> Want:
+        """This configuration on ``models`` (a model directory, or the session's tiny models of
+        which it takes its ``shape``), unless it names its own model."""
+        if self.model is not None:
+            return self
+        return replace(self, model=models if isinstance(models, Path) else models(**dict(self.shape)))
 
     @property
     def label(self) -> str:
@@ -100,13 +132,25 @@ class Want:
         return (str(self.model), tuple(self.args), self.kv_cache_bytes, tuple(sorted((self.env or {}).items())))
 
 
-def free_ports(n: int) -> list[int]:
+STOCK = Want(None, ("--max-model-len", "2048"), env=dict(STOCK_ENV))
+"""vLLM without our plugin, 2048 tokens: what the plugin's modules compare outputs with."""
+
+
+def free_ports(n: int, taken: set[int] | None = None) -> list[int]:
     """``n`` distinct free loopback ports (kvops.core.proc.free_port: below the ephemeral range,
-    where neither the other server's start nor an outgoing connection takes it meanwhile)."""
+    where neither the other server's start nor an outgoing connection takes it meanwhile), none
+    of ``taken``."""
     ports: list[int] = []
     for _ in range(n):
-        ports.append(free_port(taken=frozenset(ports)))
+        ports.append(free_port(taken=frozenset(ports) | frozenset(taken or ())))
     return ports
+
+
+def _ready_after(server: ManagedServer) -> float:
+    """Wait until a launched server is ready; the seconds since its launch."""
+    began = time.monotonic()
+    server.wait_ready("/health", DEFAULT_READY_TIMEOUT_S)
+    return time.monotonic() - began
 
 
 class VllmServers:
@@ -118,6 +162,11 @@ class VllmServers:
         self._count = 0
         self._lock = threading.Lock()
         self._refused: dict[tuple[object, ...], tuple[int | None, str]] = {}
+        self._ahead: dict[tuple[object, ...], tuple[Want, ManagedServer, Future[float]]] = {}
+        self._waiter = ThreadPoolExecutor(AHEAD_AT_ONCE, thread_name_prefix="vllm-ahead")
+        self.used: set[tuple[object, ...]] = set()
+        """Configurations asked for since ``module_servers`` last cleared it (the running
+        module's): ``ahead`` stops none of them to make room."""
 
     def __call__(
         self,
@@ -135,7 +184,10 @@ class VllmServers:
         starts on the two cores take about the time of one (a test that compares a feature
         server with a plugin-free one, or a module's configurations, asks for them together)."""
         todo: dict[tuple[object, ...], Want] = {}
+        self.used.update(w.key for w in wants)
         for want in wants:
+            if want.key in self._ahead:
+                self._claim(want)
             server = self._live.get(want.key)
             if server is not None and not want.fresh and server.returncode() is None:
                 self._live.move_to_end(want.key)
@@ -143,17 +195,87 @@ class VllmServers:
             if server is not None:
                 self._stop(want.key)
             todo[want.key] = want
-        kv_bytes = sum(w.kv_cache_bytes or 0 for w in todo.values())
+        starting = self._starting()  # started ahead, not ready: count what they will hold
+        kv_bytes = sum(w.kv_cache_bytes or 0 for w in (*todo.values(), *starting))
         keep = {w.key for w in wants}
         while todo and any(k not in keep for k in self._live) and (
-                len(self._live) + len(todo) > MAX_LIVE_SERVERS or not memory_for(len(todo), kv_bytes)):
+                len(self._live) + len(self._ahead) + len(todo) > MAX_LIVE_SERVERS
+                or not memory_for(len(todo) + len(starting), kv_bytes)):
             self._stop(self._victim(keep))
         started = self._start_together(list(todo.values()))
         self._live.update(started)
         return [self._live[w.key] for w in wants]
 
+    def ahead(self, *wants: Want) -> None:
+        """Start these configurations now, in the background and at low priority (AHEAD_NICE),
+        for tests that come later: ``many`` then waits for the start already under way instead
+        of starting them. Only where the start can be niced and put back (its processes' nice
+        as root, else its session's where autogroups are on: otherwise the start would slow
+        the running test down, or its server stay slow), in the pool's places and where memory
+        is left beside AHEAD_RESERVE for the running module; at most AHEAD_AT_ONCE at a time. Stops only
+        servers the running module has not asked for and the default configurations' never."""
+        if not (can_renice() or autogroups_on()):
+            return  # a start that could not be put back to normal priority, or not niced at all
+        for want in wants:
+            if want.key in self._ahead or (want.key in self._live and self._live[want.key].returncode() is None):
+                continue
+            starting = self._starting()
+            if len(starting) >= AHEAD_AT_ONCE:
+                return
+            while len(self._live) + len(self._ahead) + 1 > MAX_LIVE_SERVERS:
+                spare = [k for k in self._live if k not in self.used and not _shared(k)]
+                if not spare:
+                    return
+                self._stop(spare[0])
+            if not memory_for(1 + AHEAD_RESERVE + len(starting), (want.kv_cache_bytes or 0)
+                              + sum(w.kv_cache_bytes or 0 for w in starting) + AHEAD_RESERVE * (1 << 30)):
+                return
+            if want.key in self._live:
+                self._stop(want.key)  # exited meanwhile
+            server = self._server(want, free_port(taken=frozenset(self._ports())))
+            server.launch(starting_nice=AHEAD_NICE)
+            self._ahead[want.key] = (want, server, self._waiter.submit(_ready_after, server))
+
+    def new_phase(self) -> None:
+        """The servers asked for until now may make room for ``ahead`` (a new module, or a new
+        runbook state, begins)."""
+        self.used.clear()
+
+    def _starting(self) -> list[Want]:
+        """Servers started ahead that are not ready yet (their memory is still growing)."""
+        return [want for want, _, ready in self._ahead.values() if not ready.done()]
+
+    def _ports(self) -> set[int]:
+        """Ports promised to servers starting ahead (one may not have bound its port yet)."""
+        return {server.port for _, server, _ in self._ahead.values()}
+
+    def _claim(self, want: Want) -> None:
+        """Move a server started ahead into the pool once it is ready (waiting for it if need
+        be); one that failed is stopped and forgotten: ``many`` then starts it as usual."""
+        _, server, ready = self._ahead.pop(want.key)
+        began = time.monotonic()
+        server.settle()  # a test waits for it now: no longer only on idle CPU
+        try:
+            took = ready.result()
+        except Exception:  # noqa: BLE001 - e.g. its port was taken meanwhile: start it again
+            server.stop()
+            return
+        STARTS.append((want.label, took))
+        AHEAD.append((want.label, time.monotonic() - began))
+        old = self._live.pop(want.key, None)
+        if old is not None:
+            old.stop()
+        self._live[want.key] = server
+
+    def _drop_ahead(self) -> None:
+        """Stop the servers started ahead (their waits then end with the exit)."""
+        for key in list(self._ahead):
+            _, server, ready = self._ahead.pop(key)
+            server.stop()
+            ready.exception()
+
     def _start_together(self, wants: list[Want]) -> dict[tuple[object, ...], ManagedServer]:
-        ports = free_ports(len(wants))
+        ports = free_ports(len(wants), taken=self._ports())
         started: dict[tuple[object, ...], ManagedServer] = {}
 
         def start(want: Want, port: int) -> None:
@@ -236,14 +358,21 @@ class VllmServers:
         self._live.pop(key).stop()
 
     def stop_all(self) -> None:
+        self._drop_ahead()
         self.make_room(MAX_LIVE_SERVERS)
+        self._waiter.shutdown()
 
     def make_room(self, outside: int) -> None:
         """Stop the least recently used servers so that ``outside`` servers started by hand fit
         under MAX_LIVE_SERVERS beside the pool's (the ones used last stay up for the tests after)."""
-        while self._live and (len(self._live) > MAX_LIVE_SERVERS - outside
-                              or not memory_for(outside, outside << 30)):
+        def crowded() -> bool:
+            return (len(self._live) + len(self._ahead) > MAX_LIVE_SERVERS - outside
+                    or not memory_for(outside, outside << 30))
+
+        while self._live and crowded():
             self._stop(self._victim())
+        if crowded():
+            self._drop_ahead()
 
     def _victim(self, keep: set[tuple[object, ...]] | None = None) -> tuple[object, ...]:
         """The least recently used server, sparing the two default configurations (SHARED_ARGS)
@@ -270,12 +399,38 @@ def memory_for(servers: int, kv_cache_bytes: int) -> bool:
 
 def _shared(key: tuple[object, ...]) -> bool:
     model, args, kv_cache_bytes, env = key
-    return Path(str(model)).name == "tiny" and args in SHARED_ARGS and kv_cache_bytes == 1 << 30 and not env
+    return (Path(str(model)).name == "tiny" and args in SHARED_ARGS and kv_cache_bytes == 1 << 30
+            and (not env or env == STOCK_ENV))
+
+
+_SESSION: dict[str, object] = {}
+"""The session's one TinyModels and one VllmServers: made by the first of the fixtures below
+or by tests/conftest.py's start of the first e2e modules' servers during the unit tests."""
+
+
+def session_models(factory: pytest.TempPathFactory) -> TinyModels:
+    if "models" not in _SESSION:
+        _SESSION["models"] = TinyModels(factory.mktemp("models"))
+    return _SESSION["models"]  # type: ignore[return-value]
+
+
+def session_pool(factory: pytest.TempPathFactory) -> VllmServers:
+    if "pool" not in _SESSION:
+        _SESSION["pool"] = VllmServers(factory.mktemp("server-logs"))
+    return _SESSION["pool"]  # type: ignore[return-value]
+
+
+def start_ahead(modules: list[object], factory: pytest.TempPathFactory) -> None:
+    """Start the SERVERS of the first AHEAD_MODULES of these e2e modules ahead (what
+    tests/conftest.py does while the unit tests, which run first, leave a core idle)."""
+    models = session_models(factory)
+    session_pool(factory).ahead(*(w.on(models) for module in modules[:AHEAD_MODULES]
+                                  for w in getattr(module, "SERVERS", ())))
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
-    return TinyModels(tmp_path_factory.mktemp("models"))
+    return session_models(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -286,7 +441,7 @@ def tiny_model(tiny_models: TinyModels) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServers]:
-    servers = VllmServers(tmp_path_factory.mktemp("server-logs"))
+    servers = session_pool(tmp_path_factory)
     yield servers
     servers.stop_all()
 
@@ -298,9 +453,23 @@ def module_servers(request: pytest.FixtureRequest) -> None:
     in the pool. A module whose tests each need their own configuration otherwise pays one
     start after another."""
     wants = getattr(request.module, "SERVERS", ())
+    later = _later_servers(request)
+    if not wants and not later:
+        return
+    models = request.getfixturevalue("tiny_models")
+    servers: VllmServers = request.getfixturevalue("vllm")
+    servers.new_phase()
     if wants:
-        tiny = request.getfixturevalue("tiny_model")
-        request.getfixturevalue("vllm").many(*(w.on(tiny) for w in wants))
+        servers.many(*(w.on(models) for w in wants))
+    servers.ahead(*(w.on(models) for w in later))
+
+
+def _later_servers(request: pytest.FixtureRequest) -> list[Want]:
+    """The SERVERS of the AHEAD_MODULES modules that run after this one, nearest first (what
+    ``VllmServers.ahead`` may start while this module's tests run)."""
+    modules = list(dict.fromkeys(item.module for item in request.session.items))
+    here = modules.index(request.module) if request.module in modules else len(modules)
+    return [w for module in modules[here + 1:here + 1 + AHEAD_MODULES] for w in getattr(module, "SERVERS", ())]
 
 
 ServerFactory = Callable[..., ManagedServer]
@@ -315,6 +484,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_sep("=", f"vllm servers: {len(STARTS)} starts, "
                                     f"{sum(s for _, s in STARTS):.0f} s to ready, "
                                     f"{len(again)} configurations")
+    if AHEAD:
+        terminalreporter.write_line(f"{len(AHEAD)} of them started ahead, at nice {AHEAD_NICE}, "
+                                    f"beside the tests before theirs; theirs waited "
+                                    f"{sum(s for _, s in AHEAD):.0f} s for them")
     for args, n in again.most_common():
         if n > 1:
             terminalreporter.write_line(f"started {n}x: {args}")

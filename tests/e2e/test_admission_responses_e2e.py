@@ -17,6 +17,8 @@ import requests
 
 from kvops.ops.bench.admission_load import scrape_counter
 
+from .conftest import Want
+
 pytestmark = pytest.mark.e2e
 
 KV_BYTES = 17 * 128 * (2 * 4 * 2 * 64 * 2)  # 16 usable blocks + the null block, tiny shape, bf16
@@ -27,11 +29,13 @@ FRACTION = 0.25
 ADMISSION = {"kvops": {"admission": {
     "policy": "strict", "max_request_fraction": FRACTION, "max_queued_requests": 2,
 }}}
+SERVERS = (Want(None, (*ARGS, "--additional-config", json.dumps(ADMISSION)), kv_cache_bytes=KV_BYTES),)
+"""Started before the first test, or ahead while the module before runs (conftest.module_servers)."""
 
 
 @pytest.fixture(scope="module")
 def server(vllm, tiny_model):
-    return vllm(tiny_model, *ARGS, "--additional-config", json.dumps(ADMISSION), kv_cache_bytes=KV_BYTES)
+    return vllm.many(SERVERS[0].on(tiny_model))[0]
 
 
 def _limit_tokens(url: str) -> int:

@@ -29,9 +29,10 @@ from kvops.core.proc import free_port
 from kvops.ops.bench import greedy
 from kvops.ops.launch import ManagedServer
 
-from .conftest import Want
+from .conftest import STOCK, Want
 
 pytestmark = pytest.mark.e2e
+SERVERS = (STOCK,)  # before the first test, or ahead while the modules before run
 
 PROMPT_TOKENS = 600  # two full 256-token LMCache chunks (512 tokens) + a tail vLLM computes
 CHUNK_TOKENS = 512
@@ -141,7 +142,7 @@ def offload_vllm(vllm, tiny_model, lmcache) -> ManagedServer:
         Want(tiny_model, ("--max-model-len", "2048", "--enable-prompt-tokens-details",
                           "--additional-config", lmcache.vllm_settings()),
              env={"VLLM_SERVER_DEV_MODE": "1"}),
-        Want(tiny_model, ("--max-model-len", "2048"), env={"VLLM_PLUGINS": "none"}),
+        STOCK.on(tiny_model),
     )
     return offload
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -40,8 +41,8 @@ CALIBRATION_REQUEST_GIB = 1.6
 def calibration_util() -> str:
     """A utilization asking for about CALIBRATION_REQUEST_GIB of the node's memory as vLLM reads
     it (MemTotal of NUMA node 0, vllm/utils/cpu_resource_utils.py:189-217); this shared machine's
-    total changes over time, so it is read when the module runs (once: the server started for
-    it and the plan written for it must ask for the same)."""
+    total changes over time, so it is read once, when SERVERS is made: the server started for
+    it and the plan written for it must ask for the same."""
     meminfo = Path("/sys/devices/system/node/node0/meminfo")
     if meminfo.exists():
         line = next(x for x in meminfo.read_text().splitlines() if "MemTotal:" in x)
@@ -63,26 +64,29 @@ def planned(model_dir: Path, kv_dtype: str, kv_bytes: int, mml: int) -> dict[str
     return out
 
 
-def _case_want(model_dir: Path, kv_dtype: str, kv_bytes: int, mml: int) -> Want:
+def _case_want(model_dir: Path | None, kv_dtype: str, kv_bytes: int, mml: int) -> Want:
     args = ("--max-model-len", str(mml), *(("--kv-cache-dtype", kv_dtype) if kv_dtype != "auto" else ()))
     # Our plugin is loaded (the default) with empty kvops settings: sizing must stay vLLM's own.
     return Want(model_dir, (*args, *PLUGIN_ARGS), kv_cache_bytes=kv_bytes)
 
 
-def _calibration_want(tiny_model: Path) -> Want:
+def _calibration_want(tiny_model: Path | None) -> Want:
     # No --kv-cache-memory-bytes: the server sizes KV from --gpu-memory-utilization and logs
     # the requested memory and its non-KV RSS, which `kvops verify --calibration-out` reads.
     return Want(tiny_model, ("--max-model-len", "2048", "--gpu-memory-utilization", calibration_util(),
                              *PLUGIN_ARGS), kv_cache_bytes=None)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _servers_together(vllm, tiny_models) -> None:
-    """Every server of the module asked for at once (VllmServers.many starts them two at a
-    time, one per core); each test then finds its own alive."""
+def _servers() -> tuple[Want, ...]:
     cases = [c.values if hasattr(c, "values") else c for c in CASES]
-    vllm.many(*(_case_want(tiny_models(**shape), *rest) for shape, *rest in cases
-                if CPU_RUNS_FP8 or rest[0] != "fp8"), _calibration_want(tiny_models()))
+    return (*(replace(_case_want(None, *rest), shape=tuple(shape.items())) for shape, *rest in cases
+              if CPU_RUNS_FP8 or rest[0] != "fp8"), _calibration_want(None))
+
+
+SERVERS = _servers()
+"""Every server of the module, asked for at once before its first test (conftest.module_servers:
+started two at a time, one per core, or ahead while the modules before it run); each test then
+finds its own alive."""
 
 
 @pytest.mark.parametrize(("shape", "kv_dtype", "kv_bytes", "mml"), CASES)

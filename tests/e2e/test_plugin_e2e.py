@@ -12,9 +12,10 @@ import requests
 
 from kvops.ops.launch import ManagedServer
 
-from .conftest import Want
+from .conftest import STOCK, Want
 
 pytestmark = pytest.mark.e2e
+SERVERS = (STOCK,)  # before the first test, or ahead while the modules before run
 
 PROMPTS = ["the cache holds keys and values", "hello world you are a helpful assistant"]
 BAD = [
@@ -55,7 +56,7 @@ def servers(vllm, tiny_model, kvops_yaml) -> tuple[ManagedServer, ManagedServer]
     with_plugin, stock = vllm.many(
         Want(tiny_model, ("--max-model-len", "2048", "--additional-config",
                           json.dumps({"kvops": {"config": str(kvops_yaml)}}))),
-        Want(tiny_model, ("--max-model-len", "2048"), env={"VLLM_PLUGINS": "none"}),
+        STOCK.on(tiny_model),
     )
     return with_plugin, stock
 

@@ -1,8 +1,8 @@
 """Puts the real stack into a runbook state and runs a page's command block there.
 
 Servers come from the e2e session pool (tests/e2e/conftest.py ``vllm``), so a configuration
-starts once per session (a state's beside the next visited state's, one start's time) and at
-most MAX_LIVE_SERVERS run at a time; the load of a state runs in background threads only while
+starts once per session (the later states' servers start ahead, at low priority, while the
+earlier states' commands run) and at most MAX_LIVE_SERVERS run at a time; the load of a state runs in background threads only while
 that state is active.
 """
 
@@ -47,8 +47,8 @@ class Stack:
         self.models = models
         self.root = root
         self.visits = list(visits)
-        """The states the session's selected tests enter, in order: a state's server starts
-        beside the next one's (when that one needs no LMCache and starts), one start's time."""
+        """The states the session's selected tests enter, in order: the later ones' servers
+        that need no LMCache and start are started ahead (VllmServers.ahead)."""
         self.active: str | None = None
         self.env: dict[str, str] = {}
         self._load: LoadThreads | None = None
@@ -81,19 +81,20 @@ class Stack:
                      .replace("{kvops_yaml}", str(self.lmcache.config)) for a in st.args)
         return Want(self.models(**dict(st.model_shape)), args, kv_cache_bytes=st.kv_cache_bytes)
 
-    def _next_plain(self, st: State) -> Want | None:
-        """The next visited state's server if it can start now: it runs (no refusal), needs no
-        LMCache, and reads no file a page writes in a state between."""
+    def _later_plain(self, st: State) -> list[Want]:
+        """The servers of the states visited after this one that can start now, nearest first:
+        they run (no refusal), need no LMCache, and read no file that a page has not written
+        yet."""
         later = self.visits[self.visits.index(st.name) + 1:] if st.name in self.visits else []
-        if not later:
-            return None
-        nxt = state(later[0])
-        if not nxt.server or nxt.refuses_start or nxt.lmcache:
-            return None
-        want = self._want(nxt)
         pages = re.escape(str(self.root / "pages")) + r"/[^\s\"']+"
-        written = [Path(m) for a in want.args for m in re.findall(pages, a)]
-        return want if all(path.exists() for path in written) else None
+        wants = []
+        for nxt in map(state, later):
+            if not nxt.server or nxt.refuses_start or nxt.lmcache:
+                continue
+            want = self._want(nxt)
+            if all(Path(m).exists() for a in want.args for m in re.findall(pages, a)):
+                wants.append(want)
+        return wants
 
     def _start(self, st: State) -> dict[str, str]:
         want = self._want(st)
@@ -107,15 +108,18 @@ class Stack:
                 self.lmcache.start()  # a running "down" state needs it up while vLLM starts
             else:
                 self.lmcache.stop()
+        self.servers.new_phase()  # the servers of states already left may make room
         if not st.server:
+            self.servers.ahead(*self._later_plain(st))
             return env
         if st.refuses_start:
             code, log = self.servers.start_expecting_failure(model, *args, timeout_s=READY_TIMEOUT_S)
             log_path = self.root / f"{st.name}.log"
             log_path.write_text(log)
+            self.servers.ahead(*self._later_plain(st))
             return {**env, "VLLM_LOG": str(log_path), "VLLM_EXIT_CODE": str(code)}
-        nxt = None if st.lmcache else self._next_plain(st)
-        server = self.servers.many(want, *([nxt] if nxt else []))[0]
+        server = self.servers.many(want)[0]
+        self.servers.ahead(*self._later_plain(st))
         env.update(VLLM_URL=server.url, VLLM_LOG=str(server.log_path))
         if st.lmcache == "down":
             self.lmcache.stop()
