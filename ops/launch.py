@@ -76,6 +76,9 @@ class ManagedServer:
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _raised: bool = field(default=False, init=False, repr=False)
     """``launch`` started its processes above the servers' niceness; ``settle`` lowers them."""
+    _held_s: float = field(default=0.0, init=False, repr=False)
+    """Seconds ``pause`` held the processes stopped: ``wait_ready`` does not count them."""
+    _held_since: float | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -119,9 +122,28 @@ class ManagedServer:
             _renice_group(self.process.pid, nice)
             self._raised = False
 
+    def pause(self) -> None:
+        """Stop every process of the server (SIGSTOP to its group) until ``resume``: e.g. a
+        start under way beside a latency measurement that must have the CPU to itself."""
+        if self.process is not None and self.process.poll() is None and self._held_since is None:
+            _signal_group(self.process.pid, signal.SIGSTOP)
+            self._held_since = time.monotonic()
+
+    def resume(self) -> None:
+        if self._held_since is None or self.process is None:
+            return
+        _signal_group(self.process.pid, signal.SIGCONT)
+        self._held_s += time.monotonic() - self._held_since
+        self._held_since = None
+
+    def _held(self) -> float:
+        """Seconds the processes were held stopped, up to now."""
+        now = time.monotonic()
+        return self._held_s + (now - self._held_since if self._held_since is not None else 0.0)
+
     def wait_ready(self, health_path: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        began, held = time.monotonic(), self._held()
+        while time.monotonic() - began - (self._held() - held) < timeout_s:
             code = self.returncode()
             if code is not None:
                 raise ServerStartError(
@@ -148,6 +170,7 @@ class ManagedServer:
         proc = self.process
         if proc is None:
             return None
+        self.resume()  # a stopped process would keep SIGTERM pending until the grace ran out
         if proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)
             try:

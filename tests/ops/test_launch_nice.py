@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -115,6 +116,59 @@ def test_a_start_ahead_runs_at_19_until_settled_at_the_servers_niceness(tmp_path
             assert _autogroup_nice_of(pid) == 5
     finally:
         server.stop()
+
+
+def _state_of(pid: int, settled: str) -> str:
+    """The process's state letter in /proc/<pid>/stat once it is one of ``settled`` (a signal
+    takes effect when the kernel next schedules the process), or the last one read after 5 s."""
+    deadline = time.monotonic() + 5
+    while True:
+        with open(f"/proc/{pid}/stat") as handle:
+            state = handle.read().rsplit(")", 1)[1].split()[0]
+        if state in settled or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
+
+
+def test_a_paused_start_is_stopped_its_held_time_is_not_counted_and_it_stops_on_sigterm(tmp_path):
+    """What the e2e pool does to starts ahead during a latency measurement: ``pause`` stops the
+    process group (state T, from the kernel), ``wait_ready`` does not count the seconds held
+    (a 2 s wait held for 4 s still succeeds after ``resume``), and ``stop`` of a paused server
+    ends it through its SIGTERM handler (as vLLM's), not with the SIGKILL after the grace: a
+    stopped process runs no handler (only a default-action signal would end it)."""
+    port = free_port()
+    code = ("import signal, sys, http.server\n"
+            "signal.signal(signal.SIGTERM, lambda *_: sys.exit(43))\n"
+            f"http.server.test(http.server.SimpleHTTPRequestHandler, port={port}, bind='127.0.0.1')")
+    server = ManagedServer(name="http", argv=[sys.executable, "-c", code], port=port,
+                           log_path=tmp_path / "http.log", env=dict(os.environ))
+    server.start(health_path="/", timeout_s=30)
+    try:
+        assert server.process is not None
+        pid = server.process.pid
+        server.pause()
+        assert _state_of(pid, "T") == "T"
+        waited: list[BaseException | None] = []
+
+        def wait() -> None:
+            try:
+                server.wait_ready("/", 2.0)
+                waited.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                waited.append(exc)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(4)
+        assert _state_of(pid, "T") == "T"
+        server.resume()
+        assert _state_of(pid, "SR") in "SR"
+        waiter.join(30)
+        assert waited == [None]
+        server.pause()
+    finally:
+        code = server.stop(grace_s=10)
+    assert code == 43
 
 
 @pytest.mark.parametrize("bad", ["-5", "20", "ten", "1.5"])
