@@ -49,12 +49,16 @@ def pooled_mean(rows: Sequence[Interval]) -> float | None:
 
 def client_samples(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
     ok = [r for r in records if r.ok]
+    # a request the run's end cut off after its first token measured its TTFT and its ITLs as
+    # well as a finished one: under 16x load every request of a 12 s run was still decoding at
+    # the end, and without them the comparison had no sample and said "healthy"
+    seen = [r for r in records if r.ok or r.stopped]
     # a request still waiting for its first token when the run ended is the worst case of an
     # overload, not a missing value: its time in flight is a lower bound of its TTFT
     censored = [r.e2e_s for r in records if r.stopped and r.ttft_s is None and r.e2e_s]
     return {
-        "ttft_s": [r.ttft_s for r in ok if r.ttft_s is not None] + censored,
-        "itl_mean_s": [sum(r.itl_s) / len(r.itl_s) for r in ok if r.itl_s],
+        "ttft_s": [r.ttft_s for r in seen if r.ttft_s is not None] + censored,
+        "itl_mean_s": [sum(r.itl_s) / len(r.itl_s) for r in seen if r.itl_s],
         "e2e_s": [r.e2e_s for r in ok if r.e2e_s is not None],
         "lateness_s": [r.lateness_s for r in records if r.lateness_s is not None],
     }
@@ -106,6 +110,10 @@ def compare(config: TtftRegressionConfig, base: dict[str, Any], cand: dict[str, 
         b = [tuple(x) for x in base["intervals"].get(name, [])]
         c = [tuple(x) for x in cand["intervals"].get(name, [])]
         table["server_" + name] = _row(config, b, c, row_pooled_mean)
+    empty = [side for side, summary in (("baseline", base), ("candidate", cand))
+             if not summary["samples"].get("ttft_s")]
+    if empty:
+        return table, [_no_samples(_headline(table), empty)]
     regressed = [n for n in ("ttft_p50", "ttft_p90", "itl_mean") if table[n].get("regressed")]
     late = load.behind(base, cand, config.late_s)
     cpu_bound = [x for x in late if not x.pool_exhausted]
@@ -164,6 +172,15 @@ def _client_bound(table: dict[str, Any], base: dict[str, Any], cand: dict[str, A
                    f"{_RERUN} and compare again (runbooks/ttft-regression.md)")
 
 
+def _no_samples(evidence: dict[str, Any], sides: Sequence[str]) -> Verdict:
+    """Nothing to compare: no request of that run got a first token or was left waiting for
+    one (every request failed, or none was sent). Never "healthy" for want of a number."""
+    return Verdict("inconclusive", "no-samples", {**evidence, "without_ttft": list(sides)},
+                   f"no request of the {' and the '.join(sides)} run measured a TTFT (each "
+                   f"failed, or none was sent): check that the server answers (`kvops diagnose "
+                   f"--url URL`) and run it again (runbooks/ttft-regression.md)")
+
+
 def no_baseline(summary: dict[str, Any], late_s: float) -> Verdict:
     """A run without a baseline is one: healthy, unless its own sends fell behind the schedule
     with users to spare (the client's CPU), the one-sided twin of _client_bound. Kept as a
@@ -171,6 +188,8 @@ def no_baseline(summary: dict[str, Any], late_s: float) -> Verdict:
     5.8 s late, then three candidates compared with it, all client-bound), so it says so now,
     while re-recording is one command away."""
     means = summary["server_means_s"]
+    if not summary["samples"].get("ttft_s"):
+        return _no_samples({"ttft_p50_s": None, "server_means_s": means}, ["recorded"])
     late = load.fell_behind("run", summary, late_s)
     if late is None or late.pool_exhausted:
         return healthy(note="no baseline given: this result can serve as one (--baseline FILE)",

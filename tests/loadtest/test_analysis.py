@@ -150,6 +150,37 @@ def test_requests_without_a_first_token_at_the_end_count_with_their_wait():
     assert sorted(samples["ttft_s"]) == [0.2, 7.0]
 
 
+def test_requests_cut_off_after_their_first_token_count_with_their_ttft_and_itls():
+    # 16x load, 12 s: every request was still decoding when the run ended (measured; the
+    # comparison had no sample and said healthy)
+    cut = RequestRecord(request_id="c", kind="completions", sent_at=0.0, ttft_s=2.4, e2e_s=9.0,
+                        itl_s=[0.1, 0.3], stopped=True)
+    failed = RequestRecord(request_id="f", kind="completions", sent_at=0.0, ttft_s=0.5,
+                           e2e_s=0.6, status=500, error="boom")
+    samples = ttft.client_samples([_rec(0.0, ttft_s=0.2), cut, failed])
+    assert sorted(samples["ttft_s"]) == [0.2, 2.4]
+    assert samples["itl_mean_s"] == [pytest.approx(0.2)]
+    assert samples["e2e_s"] == [1.0]  # a cut-off request's end-to-end time is not one
+
+
+def _summary(ttfts: list[float]) -> dict:
+    return {"rate_rps": 1.0, "arrival_rate_rps": 1.0, "completion_rate_rps": None,
+            "server_means_s": {}, "samples": {"ttft_s": ttfts, "itl_mean_s": [], "e2e_s": []},
+            "intervals": {}}
+
+
+def test_a_run_without_any_ttft_is_inconclusive_not_healthy():
+    cfg = TtftRegressionConfig(resamples=100)
+    _, (verdict,) = ttft.compare(cfg, _summary([0.1] * 20), _summary([]))
+    assert (verdict.problem, verdict.cause) == ("inconclusive", "no-samples")
+    assert verdict.evidence["without_ttft"] == ["candidate"]
+    _, (verdict,) = ttft.compare(cfg, _summary([]), _summary([]))
+    assert verdict.evidence["without_ttft"] == ["baseline", "candidate"]
+    alone = ttft.no_baseline(_summary([]), cfg.late_s)
+    assert (alone.problem, alone.cause) == ("inconclusive", "no-samples")
+    assert "run it again" in alone.next
+
+
 def test_client_summary_sets_first_event_and_first_text_beside_the_server():
     from kvops.loadtest.finalize import client_summary
 
