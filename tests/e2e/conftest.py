@@ -519,6 +519,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"{len(AHEAD)} of them started ahead, at nice {AHEAD_NICE}, "
                                     f"beside the tests before theirs; theirs waited "
                                     f"{sum(s for _, s in AHEAD):.0f} s for them")
+        for label, waited in AHEAD:
+            if waited >= 5:
+                terminalreporter.write_line(f"waited {waited:.0f} s for the start ahead of {label}")
     for args, n in again.most_common():
         if n > 1:
             terminalreporter.write_line(f"started {n}x: {args}")
