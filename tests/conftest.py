@@ -68,8 +68,6 @@ def _e2e_servers_ahead(request: pytest.FixtureRequest,
     yield
     session_pool(tmp_path_factory).stop_all()  # as the `vllm` fixture does, had no e2e test run
 
-    return REPO_ROOT
-
 
 @pytest.fixture(scope="session")
 def model_configs_dir() -> Path:

@@ -247,7 +247,7 @@ class VllmServers:
         latency: even at nice 19 a start beside it took cache, memory bandwidth and every
         idle moment of the two cores, and a 16x load read +18% TTFT, named "healthy". Their
         ready waits do not count the seconds held."""
-        held = [server for _, server, ready in self._ahead.values() if not ready.done()]
+        held = [server for _, server in self._under_way()]
         for server in held:
             server.pause()
         try:
@@ -261,9 +261,12 @@ class VllmServers:
         runbook state, begins)."""
         self.used.clear()
 
-    def _starting(self) -> list[Want]:
+    def _under_way(self) -> list[tuple[Want, ManagedServer]]:
         """Servers started ahead that are not ready yet (their memory is still growing)."""
-        return [want for want, _, ready in self._ahead.values() if not ready.done()]
+        return [(want, server) for want, server, ready in self._ahead.values() if not ready.done()]
+
+    def _starting(self) -> list[Want]:
+        return [want for want, _ in self._under_way()]
 
     def _ports(self) -> set[int]:
         """Ports promised to servers starting ahead (one may not have bound its port yet)."""
