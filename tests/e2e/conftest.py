@@ -54,7 +54,7 @@ FREE_GIB = 4.0
 Locust, the test itself). A start that would leave less stops the least recently used first.
 With up to six alive the session restarts fewer configurations than with four (which restarted
 the plugin-free 2048-token server three times, ~50 s a start)."""
-SHARED_ARGS = {("--max-model-len", "1024"), ("--max-model-len", "2048")}
+SHARED_ARGS = {("--max-model-len", "2048")}
 STOCK_ENV = (("VLLM_PLUGINS", "none"),)
 """The configurations most e2e tests share (1 GiB of KV, no env, or the plugin-free STOCK
 server the offload and plugin modules compare with): evicted last."""

@@ -51,10 +51,13 @@ class State:
     "" when the state has none. "{kvops_yaml}" in args is its kvops.yaml."""
 
 
-MAX_MODEL_LEN = ("--max-model-len", "1024")
-# The admission e2e tests' server (tests/e2e/test_admission_e2e.py): 16 usable blocks, strict
-# reservations, at most 6 requests accepted but not started. Same arguments, so the session pool
-# starts it once for both.
+MAX_MODEL_LEN = ("--max-model-len", "2048")
+"""The e2e modules' default length: the states on 1 GiB of KV (kv-mitigated, healthy) are the
+configuration most e2e tests share (tests/e2e/conftest.py SHARED_ARGS), which the session pool
+evicts last, so they normally find it running instead of starting a server of their own."""
+# 16 usable blocks, strict reservations, at most 6 requests accepted but not started: the shape
+# of the admission e2e tests' server (tests/e2e/test_admission_e2e.py), whose tenant budgets make
+# it another configuration.
 ADMISSION_KV_BYTES = 17 * BLOCK_BYTES
 ADMISSION_ARGS = ("--max-model-len", "1024", "--max-num-seqs", "32")
 
@@ -84,7 +87,9 @@ STATES: tuple[State, ...] = (
     State(
         "kv-exhausted",
         "16 KV blocks (2,048 tokens) under 6 users generating 800 tokens each: preemptions",
-        args=MAX_MODEL_LEN, kv_cache_bytes=16 * BLOCK_BYTES,
+        # 1,024 tokens a request: vLLM keeps one of the 16 blocks as its null block, and on the
+        # 1,920 tokens left it refuses to start with --max-model-len 2048
+        args=("--max-model-len", "1024"), kv_cache_bytes=16 * BLOCK_BYTES,
         load=Load(users=6, prompt_words=60, max_tokens=800),
         ready={"preemptions": 1, "waiting": 1},
         page_flags=("--kv-cache-memory-bytes", "--gpu-memory-utilization", "--max-num-seqs"),
