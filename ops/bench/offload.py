@@ -14,7 +14,8 @@ Variants, one offload server after another beside the one no-connector server (t
 model, prompts and baseline, so their ratios compare): the product default (transfer_mode auto,
 or KVOPS_BENCH_OFFLOAD_TRANSFER_MODE) gives the top-level keys and names the mode auto chose;
 the other transfer mode fills ``modes``; then one variant per tuning knob (KNOBS) on the default's
-mode fills ``tuning`` (KVOPS_BENCH_OFFLOAD_TUNING=0 leaves the knobs out). Each variant has its
+mode fills ``tuning`` (KVOPS_BENCH_OFFLOAD_TUNING=0 leaves the knobs out, a comma-separated list
+of knob names measures those only). Each variant has its
 own LMCache server and disk tier and its own fresh miss prompts.
 """
 
@@ -65,12 +66,16 @@ KNOBS = (
          "never wrong KV); measures what the xxh3 digest of every stored and loaded block costs"),
     Knob("chunk_size", 512, 256,
          "tokens per LMCache chunk: half as many chunks, RPC entries and keys per prompt"),
+    Knob("lmcache_server_threads", 1, os.cpu_count(),
+         "torch threads of the `lmcache server` process (OMP_NUM_THREADS=1 in its environment): "
+         "its per-layer copy into vLLM's KV (lmcache_driven) runs on them while vLLM's own "
+         "threads spin on the same cores", server_env=(("OMP_NUM_THREADS", "1"),)),
 )
 
 
 def run() -> dict[str, Any]:
     started = time.monotonic()
-    wanted, knobs_wanted = _transfer_mode(), KNOBS if _tuning() else ()
+    wanted, knobs_wanted = _transfer_mode(), _knobs()
     with tempfile.TemporaryDirectory(prefix="kvops-bench-offload-") as tmp:
         root = Path(tmp)
         model = build_tiny_model(root / "model", REFERENCE_SHAPE)
@@ -84,8 +89,8 @@ def run() -> dict[str, Any]:
             other = "engine_driven" if default.transfer_mode == "lmcache_driven" else "lmcache_driven"
             other_mode, _ = bench.measure(other, {"transfer_mode": other})
             knobs = [(knob, bench.measure(f"{knob.name}={knob.value}", {
-                "transfer_mode": default.transfer_mode, knob.name: knob.value})[0])
-                for knob in knobs_wanted]
+                "transfer_mode": default.transfer_mode, **knob.overrides()},
+                dict(knob.server_env))[0]) for knob in knobs_wanted]
         finally:
             baseline.stop()
         memcpy = memcpy_gb_per_s()
@@ -116,7 +121,8 @@ class _Bench:
         self.baseline_runs: list[tuple[float, str]] = []
         self.variants = 0
 
-    def measure(self, name: str, overrides: dict[str, Any]) -> tuple[Measured, str]:
+    def measure(self, name: str, overrides: dict[str, Any],
+                server_env: dict[str, str] | None = None) -> tuple[Measured, str]:
         """(measurements, the vLLM log's line on the transfer mode it runs)."""
         directory = self.root / name.replace("=", "-")
         settings = OffloadSettings(
@@ -124,7 +130,8 @@ class _Bench:
             disk_path=str(directory / "l2"), disk_gib=2.0, **overrides,
         )
         self.variants += 1
-        return _measure(self, settings, directory, miss_seed=100 + 20 * self.variants)
+        return _measure(self, settings, directory, miss_seed=100 + 20 * self.variants,
+                        server_env=server_env)
 
 
 def _prompt(seed: int) -> list[int]:
@@ -132,10 +139,10 @@ def _prompt(seed: int) -> list[int]:
     return [rng.randrange(5, REFERENCE_SHAPE.vocab - 1) for _ in range(PROMPT_TOKENS)]
 
 
-def _measure(bench: _Bench, settings: OffloadSettings, root: Path,
-             miss_seed: int) -> tuple[Measured, str]:
+def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: int,
+             server_env: dict[str, str] | None = None) -> tuple[Measured, str]:
     model = bench.model
-    lmcache = lmcache_server(settings, log_path=root / "lmcache.log")
+    lmcache = lmcache_server(settings, log_path=root / "lmcache.log", env=server_env)
     lmcache.start(health_path="/healthcheck")
     cfg = json.dumps({"kvops": {"offload": settings.model_dump()}})
     log = root / "vllm-offload.log"
@@ -339,9 +346,17 @@ def _transfer_mode() -> TransferModeSetting:
     )
 
 
-def _tuning() -> bool:
+def _knobs() -> tuple[Knob, ...]:
+    """The knobs KVOPS_BENCH_OFFLOAD_TUNING asks for: 1 (the default) all, 0 none, or knob names
+    separated by commas (each variant is a server start and ~30 cold 2k-token prefills)."""
     value = os.environ.get("KVOPS_BENCH_OFFLOAD_TUNING", "1")
-    if value not in ("0", "1"):
-        raise BadInputError(f"KVOPS_BENCH_OFFLOAD_TUNING={value!r}: use 1 (measure the tuning "
-                            "knobs, the default) or 0 (both modes only)")
-    return value == "1"
+    if value in ("0", "1"):
+        return KNOBS if value == "1" else ()
+    names = [name.strip() for name in value.split(",")]
+    known = {knob.name: knob for knob in KNOBS}
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise BadInputError(f"KVOPS_BENCH_OFFLOAD_TUNING={value!r}: use 1 (measure every tuning "
+                            "knob, the default), 0 (both modes only) or knob names separated by "
+                            f"commas ({', '.join(known)})")
+    return tuple(known[name] for name in dict.fromkeys(names))

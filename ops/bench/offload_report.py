@@ -94,12 +94,19 @@ def mode_entry(result: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Knob:
-    """A setting changed from the default variant, and what the bench may say about it."""
+    """A setting changed from the default variant, and what the bench may say about it: an
+    offload setting, or (``server_env``) the environment of the ``lmcache server`` process."""
 
     name: str
     value: Any
     default: Any
     note: str
+    server_env: tuple[tuple[str, str], ...] = ()
+    """Set: the knob is this environment of the LMCache server, not an offload setting."""
+
+    def overrides(self) -> dict[str, Any]:
+        """The offload settings this knob changes."""
+        return {} if self.server_env else {self.name: self.value}
 
 
 def noise(result: dict[str, Any]) -> dict[str, float]:
@@ -130,6 +137,7 @@ def tuning_row(knob: Knob, tried: dict[str, Any], default: dict[str, Any]) -> di
                else "mixed" if worse else "no clear effect")
     return {
         "knob": knob.name, "value": knob.value, "default": knob.default,
+        **({"server_env": dict(knob.server_env)} if knob.server_env else {}),
         "transfer_mode": tried["transfer_mode"],
         **{key: tried[key] for key in RATIO_KEYS},
         "delta_vs_default": delta,

@@ -104,6 +104,43 @@ def test_a_knob_is_judged_against_the_default_measured_in_the_same_run():
     assert report["miss_overhead_ratio"] == pytest.approx(0.15, abs=0.012)  # top level: default
 
 
+def test_an_lmcache_server_environment_knob_changes_no_offload_setting():
+    """The thread-count knob runs the LMCache server with another environment: the variant's
+    offload settings are the default's, and its row says which environment it ran with."""
+    from kvops.ops.bench.offload import KNOBS
+
+    threads = next(k for k in KNOBS if k.server_env)
+    assert threads.overrides() == {}
+    assert dict(threads.server_env) == {"OMP_NUM_THREADS": "1"}
+    assert Knob("chunk_size", 512, 256, "").overrides() == {"chunk_size": 512}
+    report = _report(_measured("lmcache_driven", l1=0.07, miss=0.15),
+                     _measured("engine_driven", 0.25, 0.2),
+                     [(threads, _measured("lmcache_driven", l1=0.06, miss=0.15)),
+                      (Knob("chunk_size", 512, 256, ""), _measured("lmcache_driven", 0.07, 0.15))])
+    env_row, setting_row = report["tuning"]
+    assert env_row["server_env"] == {"OMP_NUM_THREADS": "1"}
+    assert "server_env" not in setting_row
+
+
+def test_the_tuning_variable_selects_knobs_by_name_and_names_the_known_ones(monkeypatch):
+    from kvops.core.errors import BadInputError
+    from kvops.ops.bench.offload import KNOBS, _knobs
+
+    monkeypatch.delenv("KVOPS_BENCH_OFFLOAD_TUNING", raising=False)
+    assert _knobs() == KNOBS
+    monkeypatch.setenv("KVOPS_BENCH_OFFLOAD_TUNING", "0")
+    assert _knobs() == ()
+    monkeypatch.setenv("KVOPS_BENCH_OFFLOAD_TUNING", "lmcache_server_threads, verify_kv")
+    assert [k.name for k in _knobs()] == ["lmcache_server_threads", "verify_kv"]
+    for bad in ("threads", "", "verify_kv,,chunk_size"):
+        monkeypatch.setenv("KVOPS_BENCH_OFFLOAD_TUNING", bad)
+        with pytest.raises(BadInputError) as caught:
+            _knobs()
+        assert str(caught.value).startswith(f"KVOPS_BENCH_OFFLOAD_TUNING={bad!r}")
+        assert "chunk_size" in str(caught.value)
+        assert "\n" not in str(caught.value)
+
+
 def test_the_digest_cost_is_measured_beside_the_crc32_it_replaced():
     """Both are timed on the same KV of the reference shape in one call (kvops bench offload
     reports them as digest_ms_per_prompt and crc32_ms_per_prompt); no speed is asserted here."""
