@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
+from types import FrameType
 from typing import Any
 
 import typer
@@ -44,6 +46,9 @@ class KvopsGroup(TyperGroup):
             ctx.exit(exc.exit_code)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise
+        except Terminated:
+            typer.echo("kvops: terminated (SIGTERM); stopped what this command had started", err=True)
+            ctx.exit(EXIT_TERMINATED)
         except KeyboardInterrupt:
             typer.echo("kvops: interrupted", err=True)
             ctx.exit(130)
@@ -100,8 +105,25 @@ def build_app() -> typer.Typer:
 app = build_app()
 
 
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a cancelled CI job, `timeout`, `kill`, a pod's stop): it unwinds the command as
+    Ctrl-C does, so the ``finally`` blocks that stop its vLLM servers, LMCache servers and Locust
+    processes run. Python's default SIGTERM ends the process at once and leaves them running,
+    holding their ports and memory (a killed `kvops bench offload` left two vLLM servers)."""
+
+
+def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: None)  # a second SIGTERM must not cut the cleanup
+    raise Terminated
+
+
 def main() -> None:
-    """Console-script entry: usage errors become one line too, exit code 2."""
+    """Console-script entry: usage errors become one line too, exit code 2; SIGTERM stops what
+    the command started (``Terminated``), exit code 143."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         code = app(standalone_mode=False)
     except typer.Abort:
