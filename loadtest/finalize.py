@@ -52,6 +52,9 @@ class Run:
     """What the server wants with /tokenize (an API key, a proxy's headers); never written out."""
     replicas: dict[str, list[MetricsSample]] | None = None
     """The samples per replica when they were read from Prometheus (``samples`` is the fleet's)."""
+    overdue_s: list[float] = field(default_factory=list)
+    """ttft-regression: lateness at the stop of the arrivals never sent (every user waiting)."""
+    overdue_count: int = 0
 
 
 def client_summary(records: list[RequestRecord], samples: list[MetricsSample]) -> dict[str, Any]:
@@ -129,7 +132,8 @@ def analyse(run: Run) -> tuple[dict[str, Any], list[Verdict], int]:
         missed = any(v.problem != "healthy" for v in verdicts)
         return {"replay": summary}, verdicts, EXIT_CHECK_FAILED if missed else EXIT_OK
     assert isinstance(cfg, TtftRegressionConfig)
-    summary = ttft.summarise(cfg, run.records, run.samples, duration)
+    summary = ttft.summarise(cfg, run.records, run.samples, duration,
+                             overdue=(run.overdue_s, run.overdue_count))
     section: dict[str, Any] = {"ttft": {"summary": summary}}
     if run.baseline is None:
         return section, [ttft.no_baseline(summary, cfg.late_s)], EXIT_OK

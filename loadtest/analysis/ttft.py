@@ -65,9 +65,14 @@ def client_samples(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
 
 
 def summarise(config: TtftRegressionConfig, records: Sequence[RequestRecord],
-              samples: Sequence[MetricsSample], duration_s: float) -> dict[str, Any]:
-    """Everything a later run needs to compare against: raw samples plus the headline numbers."""
+              samples: Sequence[MetricsSample], duration_s: float,
+              overdue: tuple[Sequence[float], int] = ((), 0)) -> dict[str, Any]:
+    """Everything a later run needs to compare against: raw samples plus the headline numbers.
+    ``overdue``: the lateness at the stop of the arrivals that came due and were never sent, and
+    their count; they are late sends too (lower bounds), so a pool whose every user waited on a
+    slow server is named behind its schedule even when each request it did send went out on time."""
     client = client_samples(records)
+    client["lateness_s"] = client["lateness_s"] + [round(x, 4) for x in overdue[0]]
     comps = {name: intervals(samples, name) for name in COMPONENTS}
     done = [r for r in records if r.ok]
     # rates over the span the requests actually covered, not the run (which includes spawning)
@@ -84,6 +89,7 @@ def summarise(config: TtftRegressionConfig, records: Sequence[RequestRecord],
         "ttft_p99_s": percentile(client["ttft_s"], 99), "itl_mean_s": mean(client["itl_mean_s"]),
         "lateness_p50_s": percentile(client["lateness_s"], 50),
         "lateness_p99_s": percentile(client["lateness_s"], 99),
+        "unsent_overdue": overdue[1],
         "server_means_s": {name: pooled_mean(rows) for name, rows in comps.items()},
         "samples": client, "intervals": comps,
     }
@@ -191,9 +197,16 @@ def no_baseline(summary: dict[str, Any], late_s: float) -> Verdict:
     if not summary["samples"].get("ttft_s"):
         return _no_samples({"ttft_p50_s": None, "server_means_s": means}, ["recorded"])
     late = load.fell_behind("run", summary, late_s)
-    if late is None or late.pool_exhausted:
+    if late is None:
         return healthy(note="no baseline given: this result can serve as one (--baseline FILE)",
                        ttft_p50_s=summary["ttft_p50_s"], server_means_s=means)
+    if late.pool_exhausted:
+        return healthy(note=f"no baseline given: this result can serve as one (--baseline FILE), "
+                            f"at the load the server carried: all {late.users} users waited on "
+                            f"responses and {summary.get('unsent_overdue') or 0} arrivals were never "
+                            f"sent, so it served less than --rate {summary.get('rate_rps')}",
+                       ttft_p50_s=summary["ttft_p50_s"], server_means_s=means,
+                       client_behind=[late.to_dict()])
     return Verdict("inconclusive", "client-bound",
                    {"ttft_p50_s": summary["ttft_p50_s"], "server_means_s": means,
                     "comparison_reliable": False, "client_behind": [late.to_dict()]},

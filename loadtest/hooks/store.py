@@ -25,6 +25,7 @@ from locust.runners import STATE_MISSING, STATE_RUNNING, STATE_SPAWNING, MasterR
 from kvops.loadtest.records import RequestRecord
 
 REPORT_KEY = "kvops_records"
+OVERDUE_KEY = "kvops_overdue"
 DRAIN, DRAINED = "kvops_drain", "kvops_drained"
 DRAIN_GRACE_S = 60.0
 """The master waits at most --stop-timeout plus this for its workers' last records: Locust's own
@@ -43,6 +44,15 @@ class RecordStore:
     reports_from: set[str] = field(default_factory=set)
     drained: set[str] = field(default_factory=set)
     """Workers that sent their last records at this run's end."""
+    overdue_s: list[float] = field(default_factory=list)
+    """Lateness at the stop of the arrivals that came due and were never sent (every user was
+    waiting on a response); on the master, its workers' too (shapes/poisson.py ``overdue``)."""
+    overdue_count: int = 0
+    """How many there were (``overdue_s`` keeps at most OVERDUE_LIMIT per process)."""
+
+    def note_overdue(self, lateness_s: list[float], count: int) -> None:
+        self.overdue_s.extend(lateness_s)
+        self.overdue_count += count
 
     def add(self, record: RequestRecord) -> None:
         self.records.append(record)
@@ -53,6 +63,8 @@ class RecordStore:
         self._unsent = 0
         self.reports_from.clear()
         self.drained.clear()
+        self.overdue_s.clear()
+        self.overdue_count = 0
 
     def take_unsent(self) -> list[dict[str, Any]]:
         batch = [r.to_dict() for r in self.records[self._unsent:]]
@@ -87,8 +99,11 @@ def install_merging(environment: Environment) -> None:
         environment.events.report_to_master.add_listener(on_report_to_master)  # type: ignore[no-untyped-call]
 
         def on_drain(msg: Message, **_: Any) -> None:
-            runner.stop()  # kills the users at once (--stop-timeout 0): cut-off requests are recorded
-            runner.send_message(DRAINED, {REPORT_KEY: store.take_unsent()})
+            # kills the users at once (--stop-timeout 0): cut-off requests are recorded, and
+            # test_stopping notes the arrivals never sent (scenarios/glue.py)
+            runner.stop()
+            runner.send_message(DRAINED, {REPORT_KEY: store.take_unsent(),
+                                          OVERDUE_KEY: [store.overdue_s, store.overdue_count]})
 
         runner.register_message(DRAIN, on_drain)
     elif isinstance(runner, MasterRunner):
@@ -96,6 +111,8 @@ def install_merging(environment: Environment) -> None:
 
         def on_drained(msg: Message, **_: Any) -> None:
             on_worker_report(msg.node_id, msg.data)
+            late, count = msg.data.get(OVERDUE_KEY) or ([], 0)
+            store.note_overdue(list(late), int(count))
             store.drained.add(msg.node_id)
 
         runner.register_message(DRAINED, on_drained)

@@ -40,7 +40,7 @@ def config_of(environment: Environment) -> ScenarioConfig:
 
 
 _CACHED = ("kvops_config", "kvops_model", "kvops_dataset", "kvops_schedule", "kvops_endpoint",
-           "kvops_users_started", "kvops_replay", "kvops_trace_schedule")
+           "kvops_users_started", "kvops_replay", "kvops_trace_schedule", "kvops_overdue_noted")
 __all__ = ["endpoint_of"]  # re-exported: scenarios reach the endpoint through their context
 
 
@@ -98,6 +98,15 @@ def schedule_of(environment: Environment) -> ArrivalSchedule:
         schedule = ArrivalSchedule(config.rate_rps / processes, config.workload.seed * 1000 + index)
         environment.kvops_schedule = schedule  # type: ignore[attr-defined]
     return schedule
+
+
+def note_overdue(environment: Environment) -> None:
+    """At the stop, before the users are killed: the arrivals this process's schedule owed and
+    never sent, into its store (nothing for a scenario without a schedule, or the master)."""
+    schedule = getattr(environment, "kvops_schedule", None)
+    if schedule is not None and not getattr(environment, "kvops_overdue_noted", False):
+        store_of(environment).note_overdue(*schedule.overdue(time.time()))
+        environment.kvops_overdue_noted = True  # type: ignore[attr-defined]
 
 
 def user_rng(environment: Environment) -> random.Random:

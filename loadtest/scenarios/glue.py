@@ -92,6 +92,12 @@ def wire(scenario: str) -> None:
         progress.start()
         environment.kvops_progress = progress  # type: ignore[attr-defined]
 
+    @events.test_stopping.add_listener  # type: ignore[untyped-decorator]
+    def _stopping(environment: Environment, **_: Any) -> None:
+        # in the processes with users (local, a worker), before they are killed; the master has
+        # no schedule: its workers send theirs with their last records (hooks/store.py)
+        context.note_overdue(environment)
+
     @events.test_stop.add_listener  # type: ignore[untyped-decorator]
     def _stop(environment: Environment, **_: Any) -> None:
         # headless runs finish on quitting; a web-UI run stops without quitting, so it finishes

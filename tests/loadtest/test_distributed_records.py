@@ -14,17 +14,16 @@ declares a worker missing).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
+from sse_servers import SseHandler, event, serving, url_of
 
 from kvops.loadtest.records import read_jsonl
 from kvops.loadtest.runner import LoadtestRequest, run
@@ -35,42 +34,22 @@ PAUSE = (DURATION_S - 0.2, DURATION_S + 1.8)
 tick at or past DURATION_S, ~5 s in: the workers stop before that and resume after the master's
 old 0.5 s grace has passed, with ~0.7 s to spare either side."""
 EVENTS, PACE_S = 10, 0.1  # a request lasts ~1 s: a few are in flight at the end
-_EVENT = b"data: " + json.dumps({"id": "c", "object": "text_completion", "model": "fake", "choices": [
-    {"index": 0, "text": " tok", "finish_reason": None}]}).encode() + b"\n\n"
-_END = b"data: " + json.dumps({"id": "c", "choices": [], "usage": {
-    "prompt_tokens": 5, "completion_tokens": EVENTS, "total_tokens": 5 + EVENTS}}).encode() + b"\n\ndata: [DONE]\n\n"
+_END = event("", usage={"prompt_tokens": 5, "completion_tokens": EVENTS, "total_tokens": 5 + EVENTS})
 
 
 class CountingServer(ThreadingHTTPServer):
-    daemon_threads = True
     posts = 0
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(SseHandler):
     server: CountingServer
 
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def do_GET(self) -> None:  # /v1/models; no /metrics (the run goes on without)
-        body = json.dumps({"data": [{"id": "fake"}]}).encode() if self.path == "/v1/models" else b""
-        self.send_response(200 if body else 404)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
     def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.server.posts += 1  # one increment per request thread: the GIL keeps it whole
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
+        self.start_stream()
         try:
-            for chunk in [_EVENT] * EVENTS + [_END, b""]:
-                self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
-                self.wfile.flush()
+            for chunk in [event(" tok")] * EVENTS + [_END + b"data: [DONE]\n\n", b""]:
+                self.chunk(chunk)
                 time.sleep(PACE_S)
         except OSError:  # the load generator cut the request off at the stop
             pass
@@ -78,10 +57,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def counting_server() -> Iterator[CountingServer]:
-    server = CountingServer(("127.0.0.1", 0), _Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server
-    server.shutdown()
+    with serving(CountingServer(("127.0.0.1", 0), _Handler)) as server:
+        yield server
 
 
 def _workers() -> list[int]:
@@ -115,7 +92,7 @@ def _pause_at_the_end(log: Path, stop: threading.Event, paused: list[int]) -> No
 
 
 def test_master_keeps_a_slow_workers_last_records(counting_server: CountingServer, tmp_path: Path) -> None:
-    url = f"http://127.0.0.1:{counting_server.server_address[1]}"
+    url = url_of(counting_server)
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text("scenario: ttft-regression\nworkload: {prompt_words: 5, max_tokens: 10}\n"
                         f"rate_rps: 8\nusers: 32\nduration_s: {DURATION_S}\n")
