@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,7 +73,10 @@ class ManagedServer:
     host: str = "127.0.0.1"
     die_with_parent: bool = False
     """SIGTERM the server when the process that started it dies, even by SIGKILL (Linux
-    PR_SET_PDEATHSIG): a supervisor's `kill -9` must not leave it holding memory and ports."""
+    PR_SET_PDEATHSIG): a supervisor's `kill -9` must not leave it holding memory and ports.
+    Only for a server launched from the main thread: the kernel sends the signal when the
+    *thread* that started the child ends, and one launched from a worker thread (the e2e pool
+    starts two side by side) would die with that thread."""
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _raised: bool = field(default=False, init=False, repr=False)
     """``launch`` started its processes above the servers' niceness; ``settle`` lowers them."""
@@ -103,11 +107,14 @@ class ManagedServer:
                 self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                 start_new_session=True,
                 preexec_fn=_in_child(starting_nice if self._raised else nice,  # noqa: PLW1509
-                                     os.getpid() if self.die_with_parent else None),
+                                     os.getpid() if self._dies_with_parent() else None),
             )
         self.process = process
         if starting_nice:
             _autogroup_nice(process.pid, starting_nice)
+
+    def _dies_with_parent(self) -> bool:
+        return self.die_with_parent and threading.current_thread() is threading.main_thread()
 
     def settle(self) -> None:
         """Give the server the servers' niceness once it is ready (or needed): its session's
@@ -320,4 +327,7 @@ def vllm_server(
         "--enforce-eager",
         *(["--kv-cache-memory-bytes", str(kv_cache_bytes)] if kv_cache_bytes is not None else []), *args,
     ]
-    return ManagedServer(name=name, argv=argv, port=chosen, log_path=log_path, env=full_env)
+    # a `kill -9` of the kvops command (or the test session) that started it takes it along;
+    # vLLM's API server then stops its engine core and worker as on any SIGTERM
+    return ManagedServer(name=name, argv=argv, port=chosen, log_path=log_path, env=full_env,
+                         die_with_parent=True)
