@@ -60,13 +60,30 @@ KV_BYTES_PER_TOKEN = 2 * REFERENCE_SHAPE.layers * REFERENCE_SHAPE.kv_heads * REF
 SERVER_ARGS = ("--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--max-num-seqs", "4")
 
 
+def torch_default_threads() -> int:
+    """The intra-op threads torch gives a process of this environment: OMP_NUM_THREADS when set,
+    else one per physical core (SMT siblings counted once), as ``torch.get_num_threads()`` reads
+    in the `lmcache server` left at its default; here without importing torch."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    cores = set()
+    for topology in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"):
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(),
+                       (topology / "core_id").read_text().strip()))
+        except OSError:
+            continue
+    return len(cores) or os.cpu_count() or 1
+
+
 KNOBS = (
     Knob("verify_kv", False, True,
          "bench only: the product keeps the block checksums (a corrupt cache file must be a miss, "
          "never wrong KV); measures what the xxh3 digest of every stored and loaded block costs"),
     Knob("chunk_size", 512, 256,
          "tokens per LMCache chunk: half as many chunks, RPC entries and keys per prompt"),
-    Knob("lmcache_server_threads", 1, os.cpu_count(),
+    Knob("lmcache_server_threads", 1, torch_default_threads(),
          "torch threads of the `lmcache server` process (OMP_NUM_THREADS=1 in its environment): "
          "its per-layer copy into vLLM's KV (lmcache_driven) runs on them while vLLM's own "
          "threads spin on the same cores", server_env=(("OMP_NUM_THREADS", "1"),)),

@@ -3,8 +3,13 @@ default variant's contract keys on top, both modes side by side, the tuning tabl
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
+from kvops.ops.bench.offload import torch_default_threads
 from kvops.ops.bench.offload_report import (
     Knob,
     Measured,
@@ -149,3 +154,17 @@ def test_the_digest_cost_is_measured_beside_the_crc32_it_replaced():
     costs = digest_ms_per_prompt(repeats=1)
     assert set(costs) == {"digest_ms_per_prompt", "crc32_ms_per_prompt"}
     assert all(0 < ms < float("inf") for ms in costs.values())
+
+
+@pytest.mark.parametrize("omp", [None, "1"])
+def test_the_threads_knobs_default_is_torchs_own(monkeypatch, omp):
+    """The oracle is torch itself, in a process of the same environment (as the `lmcache
+    server` gets it): the row's `default` must be what the server really ran with."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    torch_says = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                                env=env, capture_output=True, text=True, check=True, timeout=120)
+    assert torch_default_threads() == int(torch_says.stdout)
