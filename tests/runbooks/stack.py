@@ -109,18 +109,18 @@ class Stack:
             else:
                 self.lmcache.stop()
         self.servers.new_phase()  # the servers of states already left may make room
-        if not st.server:
-            self.servers.ahead(*self._later_plain(st))
-            return env
-        if st.refuses_start:
+        server = None
+        if st.server and st.refuses_start:
             code, log = self.servers.start_expecting_failure(model, *args, timeout_s=READY_TIMEOUT_S)
             log_path = self.root / f"{st.name}.log"
             log_path.write_text(log)
-            self.servers.ahead(*self._later_plain(st))
-            return {**env, "VLLM_LOG": str(log_path), "VLLM_EXIT_CODE": str(code)}
-        server = self.servers.many(want)[0]
-        self.servers.ahead(*self._later_plain(st))
-        env.update(VLLM_URL=server.url, VLLM_LOG=str(server.log_path))
+            env.update(VLLM_LOG=str(log_path), VLLM_EXIT_CODE=str(code))
+        elif st.server:
+            server = self.servers.many(want)[0]
+            env.update(VLLM_URL=server.url, VLLM_LOG=str(server.log_path))
+        self.servers.ahead(*self._later_plain(st))  # this state's server is up (or refused)
+        if server is None:
+            return env
         if st.lmcache == "down":
             self.lmcache.stop()
         if st.load is not None:
