@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from kvops.core.proc import free_port
+from kvops.ops.fp8.kv_scaled_model import build_kv_scaled_model
 from kvops.ops.launch import (
     DEFAULT_READY_TIMEOUT_S,
     ManagedServer,
@@ -99,6 +100,14 @@ class TinyModels:
             self._built[spec] = build_tiny_model(self.root / name, spec)
         return self._built[spec]
 
+    def kv_scaled(self, factor: float) -> Path:
+        """The default shape with K/V × ``factor`` (kvops.ops.fp8.kv_scaled_model), built once
+        as ``kv-scaled-FACTOR/model``: its folder is the fp8 module's work folder (WORK)."""
+        out = self.root / f"kv-scaled-{factor:g}" / "model"
+        if not (out / "config.json").exists():
+            build_kv_scaled_model(out, factor)
+        return out
+
 
 @dataclass(frozen=True)
 class Want:
@@ -112,13 +121,24 @@ class Want:
     env: dict[str, str] | None = None
     fresh: bool = False
     shape: tuple[tuple[str, int], ...] = ()
+    kv_factor: float | None = None
+    """With ``model=None``: the session's K/V-scaled tiny model (``TinyModels.kv_scaled``), so
+    that the fp8 module's servers can start ahead like the others; WORK in ``args`` becomes its
+    folder."""
 
     def on(self, models: TinyModels | Path) -> Want:
         """This configuration on ``models`` (a model directory, or the session's tiny models of
-        which it takes its ``shape``), unless it names its own model."""
+        which it takes its ``shape`` or ``kv_factor``), unless it names its own model."""
         if self.model is not None:
             return self
-        return replace(self, model=models if isinstance(models, Path) else models(**dict(self.shape)))
+        if isinstance(models, Path):
+            model = models
+        elif self.kv_factor is not None:
+            model = models.kv_scaled(self.kv_factor)
+        else:
+            model = models(**dict(self.shape))
+        return replace(self, model=model,
+                       args=tuple(a.replace(WORK, str(model.parent)) for a in self.args))
 
     @property
     def label(self) -> str:
@@ -133,6 +153,8 @@ class Want:
         return (str(self.model), tuple(self.args), self.kv_cache_bytes, tuple(sorted((self.env or {}).items())))
 
 
+WORK = "<work>"
+"""In a Want's arguments: the folder of its model, once ``Want.on`` knows it."""
 STOCK = Want(None, ("--max-model-len", "2048"), env=dict(STOCK_ENV))
 """vLLM without our plugin, 2048 tokens: what the plugin's modules compare outputs with."""
 

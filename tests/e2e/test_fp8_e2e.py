@@ -17,16 +17,15 @@ from pathlib import Path
 
 import pytest
 import requests
-from fp8_cpu import needs_fp8_cpu
+from fp8_cpu import CPU_RUNS_FP8, needs_fp8_cpu
 
 from kvops.core.fp8.scales import ScalesFile, fingerprint_of_config, read_model_config
 from kvops.ops.bench.fp8 import kv_tokens_from_log
 from kvops.ops.fp8.accuracy import Drift, ScoredSequence, drift, score
 from kvops.ops.fp8.calibrate import CalibrationRequest, collect_scales, synthetic_prompts
-from kvops.ops.fp8.kv_scaled_model import build_kv_scaled_model
 from kvops.ops.launch import ManagedServer
 
-from .conftest import Want
+from .conftest import WORK, Want
 
 pytestmark = pytest.mark.e2e
 
@@ -55,14 +54,32 @@ def _want(model: Path, *args: str) -> Want:
     return Want(model, (*LEN, *args), kv_cache_bytes=KV_BYTES)
 
 
-def _recording(work: Path) -> Want:
-    cfg = json.dumps({"kvops": {"kv_scales": {"record": str(work / "record")}}})
-    return _want(work / "model", "--additional-config", cfg)
+FACTORS = {"saturating": 1000.0, "underflowing": 0.001, "ordinary": 1.0}
 
 
-def _calibrated(work: Path) -> Want:
-    return _want(work / "model", "--kv-cache-dtype", "fp8", "--additional-config",
-                 json.dumps({"kvops": {"kv_scales": str(work / "scales.json")}}))
+def _scaled(name: str, *args: str) -> Want:
+    """On the session's K/V-scaled tiny model ``name`` (its folder is WORK)."""
+    return Want(None, (*LEN, *args), kv_cache_bytes=KV_BYTES, kv_factor=FACTORS[name])
+
+
+def _recording(name: str) -> Want:
+    return _scaled(name, "--additional-config",
+                   json.dumps({"kvops": {"kv_scales": {"record": f"{WORK}/record"}}}))
+
+
+def _scale1(name: str) -> Want:
+    return _scaled(name, "--kv-cache-dtype", "fp8")
+
+
+def _calibrated(name: str) -> Want:
+    return _scaled(name, "--kv-cache-dtype", "fp8", "--additional-config",
+                   json.dumps({"kvops": {"kv_scales": f"{WORK}/scales.json"}}))
+
+
+SERVERS = tuple(w(name) for name in ("saturating", "underflowing") for w in (_recording, _scale1)
+                ) if CPU_RUNS_FP8 else ()
+"""The first four servers of ``fp8_runs``, which wait on nothing: asked for before the first
+test, or started ahead while the modules before run (conftest.module_servers)."""
 
 
 @dataclass
@@ -101,26 +118,28 @@ def _second_half(vllm, half: _Half, calibrated: ManagedServer) -> Fp8Run:
 
 
 @pytest.fixture(scope="module")
-def fp8_runs(vllm, tmp_path_factory) -> dict[str, Fp8Run]:
+def fp8_runs(vllm, tiny_models) -> dict[str, Fp8Run]:
     """Each model served three ways: bf16 KV recording K/V (the calibration, and the reference
     logprobs), fp8 KV at scale 1.0, fp8 KV with the calibrated scales. Nine servers, asked for
     four at once where nothing waits on another's result and started two at a time (one per
-    core, conftest.START_AT_ONCE): both first halves of the saturating and underflowing models,
-    then their calibrated servers and the ordinary model's first half, then its calibrated one."""
-    works = {}
-    for name, factor in (("saturating", 1000.0), ("underflowing", 0.001), ("ordinary", 1.0)):
-        works[name] = tmp_path_factory.mktemp(f"fp8-{name}")
-        build_kv_scaled_model(works[name] / "model", factor)
-    sat, und, ordinary = works["saturating"], works["underflowing"], works["ordinary"]
-    plain = {name: _want(work / "model", "--kv-cache-dtype", "fp8") for name, work in works.items()}
-    servers = vllm.many(_recording(sat), plain["saturating"], _recording(und), plain["underflowing"])
-    halves = {"saturating": _first_half(vllm, sat, *servers[:2]),
-              "underflowing": _first_half(vllm, und, *servers[2:])}
-    servers = vllm.many(_calibrated(sat), _calibrated(und), _recording(ordinary), plain["ordinary"])
+    core, conftest.START_AT_ONCE): both first halves of the saturating and underflowing models
+    (SERVERS: alive already, or under way ahead), then their calibrated servers and the ordinary
+    model's first half, then its calibrated one."""
+    def on(*wants: Want) -> list[Want]:
+        return [w.on(tiny_models) for w in wants]
+
+    def work(name: str) -> Path:
+        return tiny_models.kv_scaled(FACTORS[name]).parent
+
+    servers = vllm.many(*on(*SERVERS))
+    halves = {"saturating": _first_half(vllm, work("saturating"), *servers[:2]),
+              "underflowing": _first_half(vllm, work("underflowing"), *servers[2:])}
+    servers = vllm.many(*on(_calibrated("saturating"), _calibrated("underflowing"),
+                            _recording("ordinary"), _scale1("ordinary")))
     runs = {"saturating": _second_half(vllm, halves["saturating"], servers[0]),
             "underflowing": _second_half(vllm, halves["underflowing"], servers[1])}
-    half = _first_half(vllm, ordinary, *servers[2:])
-    runs["ordinary"] = _second_half(vllm, half, vllm.many(_calibrated(ordinary))[0])
+    half = _first_half(vllm, work("ordinary"), *servers[2:])
+    runs["ordinary"] = _second_half(vllm, half, vllm.many(*on(_calibrated("ordinary")))[0])
     return runs
 
 
