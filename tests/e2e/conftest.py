@@ -21,6 +21,7 @@ gives the log of any server for assertions on what vLLM printed.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -78,6 +79,8 @@ AHEAD_MODULES = 2
 would sit idle in the pool through modules that need the places)."""
 AHEAD: list[tuple[str, float]] = []
 """Servers started ahead and claimed: arguments and seconds the claiming test still waited."""
+FOREGROUND: list[tuple[str, str, float]] = []
+"""Servers a test waited for from their start: the test, the arguments, seconds to ready."""
 
 pytestmark = pytest.mark.e2e
 
@@ -337,6 +340,8 @@ class VllmServers:
                     port = free_port(taken=frozenset(ports))  # taken meanwhile: once more
                     continue
                 STARTS.append((want.label, time.monotonic() - began))
+                FOREGROUND.append((os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0],
+                                   want.label, STARTS[-1][1]))
                 started[want.key] = server
                 return
 
@@ -499,7 +504,7 @@ def module_servers(request: pytest.FixtureRequest) -> None:
     in the pool. A module whose tests each need their own configuration otherwise pays one
     start after another."""
     wants = getattr(request.module, "SERVERS", ())
-    later = _later_servers(request)
+    later = later_servers(request)
     if not wants and not later:
         return
     models = request.getfixturevalue("tiny_models")
@@ -508,6 +513,22 @@ def module_servers(request: pytest.FixtureRequest) -> None:
     if wants:
         servers.many(*(w.on(models) for w in wants))
     servers.ahead(*(w.on(models) for w in later))
+
+
+@pytest.fixture(autouse=True)
+def _servers_ahead(request: pytest.FixtureRequest) -> None:
+    """Before each test, not only a module's first, the next modules' SERVERS start ahead where
+    ``VllmServers.ahead`` has a place for them: at a module's start AHEAD_AT_ONCE of them at
+    most, and a module with more (the load-test one lists five) started the rest itself, in the
+    foreground. Not before a ``quiet`` test (the starts would wait, held, through it), nor in a
+    module that sets OWN_AHEAD (the runbook stack's states come first there)."""
+    if ("pool" not in _SESSION or getattr(request.module, "OWN_AHEAD", False)
+            or request.node.get_closest_marker("quiet") is not None):
+        return
+    later = later_servers(request)
+    if later:
+        models = session_models(request.getfixturevalue("tmp_path_factory"))
+        session_pool(request.getfixturevalue("tmp_path_factory")).ahead(*(w.on(models) for w in later))
 
 
 @pytest.fixture(autouse=True)
@@ -520,7 +541,7 @@ def _quiet(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
 
 
-def _later_servers(request: pytest.FixtureRequest) -> list[Want]:
+def later_servers(request: pytest.FixtureRequest) -> list[Want]:
     """The SERVERS of the AHEAD_MODULES modules that run after this one, nearest first (what
     ``VllmServers.ahead`` may start while this module's tests run)."""
     modules = list(dict.fromkeys(item.module for item in request.session.items))
@@ -547,6 +568,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         for label, waited in AHEAD:
             if waited >= 5:
                 terminalreporter.write_line(f"waited {waited:.0f} s for the start ahead of {label}")
+    if FOREGROUND:
+        terminalreporter.write_line(f"{len(FOREGROUND)} started in the foreground, "
+                                    f"{sum(s for _, _, s in FOREGROUND):.0f} s to ready (two at a time):")
+        for test, label, took in FOREGROUND:
+            terminalreporter.write_line(f"  {took:.0f} s {test}: {label}")
     for args, n in again.most_common():
         if n > 1:
             terminalreporter.write_line(f"started {n}x: {args}")

@@ -17,6 +17,8 @@ import requests
 
 from kvops.core.prom import samples_by_name
 
+from .conftest import Want
+
 pytestmark = pytest.mark.e2e
 
 LEN = ("--max-model-len", "2048")
@@ -27,6 +29,9 @@ MULTI = {
 }
 LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_CHUNK_SIZE": "256"}
 DEV_ENV = {**LMCACHE_ENV, "VLLM_SERVER_DEV_MODE": "1"}  # for /reset_prefix_cache
+DEGRADED = ("--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(IN_PROCESS))
+SERVERS = (Want(None, (*LEN, *DEGRADED), env=DEV_ENV),)
+"""The degraded server, started ahead while the modules before run (conftest._servers_ahead)."""
 
 
 REFUSALS = [(IN_PROCESS, {}), (MULTI, {}), (None, {"lmcache_mode": "in_process"})]
@@ -59,10 +64,7 @@ def test_in_process_connector_with_offload_section_refuses_on_cpu(vllm, tiny_mod
 
 
 def test_in_process_connector_without_kvops_settings_starts_degraded_with_a_warning(vllm, tiny_model):
-    server = vllm(
-        tiny_model, *LEN, "--enable-prompt-tokens-details",
-        "--kv-transfer-config", json.dumps(IN_PROCESS), env=DEV_ENV,
-    )
+    server = vllm(tiny_model, *LEN, *DEGRADED, env=DEV_ENV)
     rng = random.Random(5)
     prompt = [rng.randrange(5, 1000) for _ in range(600)]
     body = {"model": str(tiny_model), "prompt": prompt, "max_tokens": 4, "temperature": 0}

@@ -15,6 +15,7 @@ from runbooks.markup import Check, missing_lines, pages
 from runbooks.stack import Stack
 from runbooks.states import STATE_ORDER, state
 
+from .conftest import later_servers
 from .starved import RERUNS, client_bound_output, note_rerun
 
 pytestmark = pytest.mark.e2e
@@ -37,6 +38,15 @@ def stack(request: pytest.FixtureRequest, vllm, tiny_models,
     stack = Stack(vllm, tiny_models, tmp_path_factory.mktemp("runbooks"), list(visits))
     yield stack
     stack.close()
+
+
+OWN_AHEAD = True
+"""The stack's later states' servers start ahead before the next modules' (_states_ahead)."""
+
+
+@pytest.fixture(autouse=True)
+def _states_ahead(request: pytest.FixtureRequest, stack: Stack, tiny_models) -> None:
+    stack.ahead(*(w.on(tiny_models) for w in later_servers(request)))
 
 
 @pytest.mark.parametrize("check", PARAMS)

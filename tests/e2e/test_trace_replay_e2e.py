@@ -29,6 +29,8 @@ BLOCK = 32  # vLLM's KV block here; a 512-token trace block × 1/16 is one of th
 GPU_BLOCKS = 24  # 768 tokens: one or two requests; the slice reuses far more than this
 BLOCK_BYTES = BLOCK * 4 * 2 * 64 * 2 * 2  # tokens × layers × KV heads × head dim × K,V × bf16
 SERVER_ARGS = ("--max-model-len", "512", "--block-size", str(BLOCK))
+SERVERS = (Want(None, SERVER_ARGS, kv_cache_bytes=GPU_BLOCKS * BLOCK_BYTES),)
+"""The plain server, started ahead while the modules before run (conftest._servers_ahead)."""
 # predicted: 0.085 with the server's cache alone, 0.21 with offload; 666 s of traffic in 17 s.
 # One user: with 16 concurrent users on 24 blocks vLLM preempted requests, and a preempted
 # request re-counts its own recomputed blocks as prefix hits (measured 0.234 vs 0.082).

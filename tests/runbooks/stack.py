@@ -81,6 +81,13 @@ class Stack:
                      .replace("{kvops_yaml}", str(self.lmcache.config)) for a in st.args)
         return Want(self.models(**dict(st.model_shape)), args, kv_cache_bytes=st.kv_cache_bytes)
 
+    def ahead(self, *after: Want) -> None:
+        """Between tests: the later states' servers start ahead where the pool has a place for
+        them (the state entered last asked for some only once), then ``after`` (the next
+        modules')."""
+        if self.active is not None:
+            self.servers.ahead(*self._later_plain(state(self.active)), *after)
+
     def _later_plain(self, st: State) -> list[Want]:
         """The servers of the states visited after this one that can start now, nearest first:
         they run (no refusal), need no LMCache, and read no file that a page has not written
