@@ -339,9 +339,10 @@ class VllmServers:
                         raise
                     port = free_port(taken=frozenset(ports))  # taken meanwhile: once more
                     continue
-                STARTS.append((want.label, time.monotonic() - began))
+                took = time.monotonic() - began  # STARTS[-1] may be the other thread's
+                STARTS.append((want.label, took))
                 FOREGROUND.append((os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0],
-                                   want.label, STARTS[-1][1]))
+                                   want.label, took))
                 started[want.key] = server
                 return
 
