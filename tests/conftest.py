@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +31,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Unit tests first, then the e2e tests (each group in its own order): a unit failure shows
     in minutes, and the first e2e modules' servers start while the unit tests run."""
     items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
+
+
+FILES_LISTED = 15
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """CI's log says where the suite's time budget (~35 minutes) goes: the unit and the e2e
+    tests' seconds, and the slowest test files (their tests' setup, call and teardown; a module
+    fixture counts in its first test's setup)."""
+    per_file: Counter[str] = Counter()
+    e2e = 0.0
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                per_file[report.nodeid.split("::")[0]] += report.duration
+                e2e += report.duration if "e2e" in report.keywords else 0.0
+    if not per_file:
+        return
+    total = sum(per_file.values())
+    terminalreporter.write_sep("=", f"time per test file: unit {total - e2e:.0f} s, e2e {e2e:.0f} s")
+    for path, seconds in per_file.most_common(FILES_LISTED):
+        terminalreporter.write_line(f"{seconds:7.1f}s {path}")
 
 
 @pytest.fixture(autouse=True)

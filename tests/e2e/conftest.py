@@ -71,9 +71,12 @@ AHEAD_NICE = 19
 session at nice 19: its imports take only the CPU the running test leaves idle. Once claimed it
 gets the servers' niceness (ManagedServer.settle)."""
 AHEAD_AT_ONCE = 2
-AHEAD_RESERVE = 2
+AHEAD_RESERVE = 1
 """Servers' memory (a 1 GiB-KV server's each) kept free beside servers started ahead, for what
-the running module starts meanwhile (``many`` stops the least recently used to make room)."""
+the running module starts meanwhile (``many`` stops the least recently used to make room).
+With two kept, a start ahead needed 14.5 GiB available (of 22 on an idle machine): by these
+estimates, beside the two default servers and one of the running module's there was room for
+none, and the runbook states' and the load-test module's servers started in the foreground."""
 AHEAD_MODULES = 2
 """How many of the next modules' SERVERS a module's start looks at (further ahead, servers
 would sit idle in the pool through modules that need the places)."""
@@ -232,16 +235,17 @@ class VllmServers:
         self._live.update(started)
         return [self._live[w.key] for w in wants]
 
-    def ahead(self, *wants: Want) -> None:
+    def ahead(self, *wants: Want, reserve: int = AHEAD_RESERVE) -> None:
         """Start these configurations now, in the background and at low priority (AHEAD_NICE),
         for tests that come later: ``many`` then waits for the start already under way instead
         of starting them. Only where the start can be niced and put back (its processes' nice
         as root, else its session's where autogroups are on: otherwise the start would slow
         the running test down, or its server stay slow), in the pool's places and where memory
-        is left beside AHEAD_RESERVE for the running module; at most AHEAD_AT_ONCE at a time. To
-        make places or memory it stops only servers the running module has not asked for, and
-        the default configurations' never (the last CI's pool, six alive, left memory for five
-        starts ahead in all when only places were made)."""
+        is left beside ``reserve`` servers for the running module (none where these are what it
+        asks for next); at most AHEAD_AT_ONCE at a time. To make places or memory it stops only
+        servers the running module has not asked for, and the default configurations' never
+        (the last CI's pool, six alive, left memory for five starts ahead in all when only
+        places were made)."""
         if not (can_renice() or autogroups_on()):
             return  # a start that could not be put back to normal priority, or not niced at all
         wanted = {w.key for w in wants}
@@ -252,9 +256,9 @@ class VllmServers:
             if len(starting) >= AHEAD_AT_ONCE:
                 return
             kv_bytes = ((want.kv_cache_bytes or 0) + sum(w.kv_cache_bytes or 0 for w in starting)
-                        + AHEAD_RESERVE * (1 << 30))
+                        + reserve * (1 << 30))
             while (len(self._live) + len(self._ahead) + 1 > MAX_LIVE_SERVERS
-                   or not memory_for(1 + AHEAD_RESERVE + len(starting), kv_bytes)):
+                   or not memory_for(1 + reserve + len(starting), kv_bytes)):
                 spare = [k for k in self._live
                          if k not in self.used and k not in wanted and not _shared(k)]
                 if not spare:
@@ -265,6 +269,14 @@ class VllmServers:
             server = self._server(want, free_port(taken=frozenset(self._ports())))
             server.launch(starting_nice=AHEAD_NICE)
             self._ahead[want.key] = (want, server, self._waiter.submit(_ready_after, server))
+
+    def drop(self, *wants: Want) -> None:
+        """Stop these configurations' servers: the module is done with them, and their places
+        and memory go to the starts ahead of what it asks for next."""
+        for want in wants:
+            self.used.discard(want.key)
+            if want.key in self._live:
+                self._stop(want.key)
 
     @contextmanager
     def quiet(self) -> Iterator[None]:
@@ -503,7 +515,9 @@ def module_servers(request: pytest.FixtureRequest) -> None:
     """The servers a module lists in SERVERS (Want, model None = the default tiny model),
     started together before its first test (VllmServers.many); its tests then find them alive
     in the pool. A module whose tests each need their own configuration otherwise pays one
-    start after another."""
+    start after another. A module that sets OWN_START asks for them itself, one after another,
+    each started ahead while it uses the one before (the fp8 module: nine servers, three of
+    them reading the scales that the others calibrate)."""
     wants = getattr(request.module, "SERVERS", ())
     later = later_servers(request)
     if not wants and not later:
@@ -511,6 +525,8 @@ def module_servers(request: pytest.FixtureRequest) -> None:
     models = request.getfixturevalue("tiny_models")
     servers: VllmServers = request.getfixturevalue("vllm")
     servers.new_phase()
+    if getattr(request.module, "OWN_START", False):
+        return  # the module asks for its SERVERS as it goes, each started ahead of its turn
     if wants:
         servers.many(*(w.on(models) for w in wants))
     servers.ahead(*(w.on(models) for w in later))

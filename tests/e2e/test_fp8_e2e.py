@@ -25,7 +25,7 @@ from kvops.ops.fp8.accuracy import Drift, ScoredSequence, drift, score
 from kvops.ops.fp8.calibrate import CalibrationRequest, collect_scales, synthetic_prompts
 from kvops.ops.launch import ManagedServer
 
-from .conftest import WORK, Want
+from .conftest import AHEAD_AT_ONCE, WORK, Want, later_servers
 
 pytestmark = pytest.mark.e2e
 
@@ -76,10 +76,12 @@ def _calibrated(name: str) -> Want:
                    json.dumps({"kvops": {"kv_scales": f"{WORK}/scales.json"}}))
 
 
-SERVERS = tuple(w(name) for name in ("saturating", "underflowing") for w in (_recording, _scale1)
-                ) if CPU_RUNS_FP8 else ()
-"""The first four servers of ``fp8_runs``, which wait on nothing: asked for before the first
-test, or started ahead while the modules before run (conftest.module_servers)."""
+SERVERS = tuple(w(name) for name in FACTORS for w in (_recording, _scale1)) if CPU_RUNS_FP8 else ()
+"""The servers of ``fp8`` that wait on nothing: started ahead while the modules before
+run (conftest.module_servers), in the order the fixture asks for them."""
+OWN_START = True
+"""``fp8`` asks for its servers one pair after another (conftest.module_servers starts
+none of them at the module's start), each started ahead while it uses the one before."""
 
 
 @dataclass
@@ -117,45 +119,107 @@ def _second_half(vllm, half: _Half, calibrated: ManagedServer) -> Fp8Run:
     )
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """The saturating model as an fp8 checkpoint carrying its calibrated k/v scales, a scales
+    file of 1.0 for it, and its two servers: the file given plainly, and given to override."""
+
+    model: Path
+    ones: Path
+    kept: Want
+    forced: Want
+
+
+def _checkpoint(out: Path) -> Checkpoint:
+    model, ones = out / "model", out / "ones.json"
+    return Checkpoint(
+        model=model, ones=ones,
+        kept=_want(model, "--kv-cache-dtype", "fp8", "--additional-config",
+                   json.dumps({"kvops": {"kv_scales": str(ones)}})),
+        forced=_want(model, "--kv-cache-dtype", "fp8", "--additional-config",
+                     json.dumps({"kvops": {"kv_scales": {"path": str(ones), "override_checkpoint": True}}})),
+    )
+
+
+class _Turns:
+    """The fixture's servers in the order it asks for them. Before it uses one pair, the next
+    ones whose inputs exist (a calibrated server's scales, the checkpoint) start ahead, then the
+    next modules'; the servers it is done with are stopped to make their room."""
+
+    def __init__(self, vllm, order: list[tuple[Want, Path | None]], later: list[Want]) -> None:
+        self.vllm = vllm
+        self.order = order
+        self.later = later
+
+    def take(self, *wants: Want) -> list[ManagedServer]:
+        keys = {w.key for w in wants}
+        self.order = [(w, needs) for w, needs in self.order if w.key not in keys]
+        servers = self.vllm.many(*wants)
+        self.ahead()
+        return servers
+
+    def ahead(self) -> None:
+        """The next AHEAD_AT_ONCE servers (those whose inputs exist), with no memory kept beside
+        them for others: they are what the fixture asks for next. Then the next modules'."""
+        nxt = self.order[:AHEAD_AT_ONCE]
+        self.vllm.ahead(*(w for w, needs in nxt if needs is None or needs.exists()), reserve=0)
+        self.vllm.ahead(*self.later)
+
+
+@dataclass(frozen=True)
+class Fp8Module:
+    runs: dict[str, Fp8Run]
+    checkpoint: Checkpoint
+
+
 @pytest.fixture(scope="module")
-def fp8_runs(vllm, tiny_models) -> dict[str, Fp8Run]:
+def fp8(request, vllm, tiny_models, tmp_path_factory) -> Fp8Module:
     """Each model served three ways: bf16 KV recording K/V (the calibration, and the reference
-    logprobs), fp8 KV at scale 1.0, fp8 KV with the calibrated scales. Nine servers, asked for
-    four at once where nothing waits on another's result and started two at a time (one per
-    core, conftest.START_AT_ONCE): both first halves of the saturating and underflowing models
-    (SERVERS: alive already, or under way ahead), then their calibrated servers and the ordinary
-    model's first half, then its calibrated one."""
-    def on(*wants: Want) -> list[Want]:
-        return [w.on(tiny_models) for w in wants]
+    logprobs), fp8 KV at scale 1.0, fp8 KV with the calibrated scales; then the saturating model
+    as a checkpoint with scales, twice. Eleven servers, each pair asked for once the one before
+    is used, the next started ahead meanwhile (_Turns): the three first halves (SERVERS), the
+    three calibrated servers, the checkpoint's pair (its test's)."""
+    def on(want: Want) -> Want:
+        return want.on(tiny_models)
 
     def work(name: str) -> Path:
         return tiny_models.kv_scaled(FACTORS[name]).parent
 
-    servers = vllm.many(*on(*SERVERS))
-    halves = {"saturating": _first_half(vllm, work("saturating"), *servers[:2]),
-              "underflowing": _first_half(vllm, work("underflowing"), *servers[2:])}
-    servers = vllm.many(*on(_calibrated("saturating"), _calibrated("underflowing"),
-                            _recording("ordinary"), _scale1("ordinary")))
-    runs = {"saturating": _second_half(vllm, halves["saturating"], servers[0]),
-            "underflowing": _second_half(vllm, halves["underflowing"], servers[1])}
-    half = _first_half(vllm, work("ordinary"), *servers[2:])
-    runs["ordinary"] = _second_half(vllm, half, vllm.many(*on(_calibrated("ordinary")))[0])
-    return runs
+    checkpoint = _checkpoint(tmp_path_factory.mktemp("fp8-ckpt"))
+    turns = _Turns(vllm, [
+        *((on(w), None) for w in SERVERS),
+        *((on(_calibrated(name)), work(name) / "scales.json") for name in FACTORS),
+        (checkpoint.kept, checkpoint.ones), (checkpoint.forced, checkpoint.ones),
+    ], later_servers(request))
+    halves: dict[str, _Half] = {}
+    for name in FACTORS:
+        pair = (on(_recording(name)), on(_scale1(name)))
+        halves[name] = _first_half(vllm, work(name), *turns.take(*pair))
+        vllm.drop(*pair)
+        if name == "saturating":
+            _with_checkpoint_scales(halves[name], checkpoint)
+        turns.ahead()
+    runs = {}
+    for name in FACTORS:
+        calibrated = on(_calibrated(name))
+        runs[name] = _second_half(vllm, halves[name], turns.take(calibrated)[0])
+        vllm.drop(calibrated)
+    return Fp8Module(runs=runs, checkpoint=checkpoint)
 
 
 @pytest.fixture(scope="module")
-def saturating(fp8_runs: dict[str, Fp8Run]) -> Fp8Run:
-    return fp8_runs["saturating"]
+def saturating(fp8: Fp8Module) -> Fp8Run:
+    return fp8.runs["saturating"]
 
 
 @pytest.fixture(scope="module")
-def underflowing(fp8_runs: dict[str, Fp8Run]) -> Fp8Run:
-    return fp8_runs["underflowing"]
+def underflowing(fp8: Fp8Module) -> Fp8Run:
+    return fp8.runs["underflowing"]
 
 
 @pytest.fixture(scope="module")
-def ordinary(fp8_runs: dict[str, Fp8Run]) -> Fp8Run:
-    return fp8_runs["ordinary"]
+def ordinary(fp8: Fp8Module) -> Fp8Run:
+    return fp8.runs["ordinary"]
 
 
 @needs_fp8_cpu
@@ -204,8 +268,9 @@ def test_metrics_show_source_and_per_layer_scales(saturating: Fp8Run):
         assert float(match.group(1)) == pytest.approx(scales.k_scale)
 
 
-def _with_checkpoint_scales(run: Fp8Run, out: Path) -> Path:
-    """The saturating model as an fp8 checkpoint that carries the calibrated k/v scales.
+def _with_checkpoint_scales(half: _Half, checkpoint: Checkpoint) -> None:
+    """The saturating model as an fp8 checkpoint that carries the calibrated k/v scales, and a
+    scales file of 1.0 for it (written last: its servers start ahead once it exists).
 
     quant_method fp8 with every linear layer ignored: vLLM keeps the bf16 weights and loads the
     per-layer ``attn.k_scale``/``attn.v_scale`` tensors (vllm/model_executor/layers/quantization/
@@ -213,7 +278,8 @@ def _with_checkpoint_scales(run: Fp8Run, out: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    shutil.copytree(run.model, out)
+    out = checkpoint.model
+    shutil.copytree(half.work / "model", out)
     config = json.loads((out / "config.json").read_text())
     ignored = [
         f"model.layers.{i}.{module}"
@@ -226,36 +292,28 @@ def _with_checkpoint_scales(run: Fp8Run, out: Path) -> Path:
     }
     (out / "config.json").write_text(json.dumps(config))
     tensors = {}
-    for layer, scales in run.scales.layers.items():
+    for layer, scales in half.scales.layers.items():
         tensors[f"{layer}.k_scale"] = torch.tensor(scales.k_scale, dtype=torch.float32)
         tensors[f"{layer}.v_scale"] = torch.tensor(scales.v_scale, dtype=torch.float32)
     save_file(tensors, str(out / "kv-scales.safetensors"))
-    return out
+    ones = {
+        "dtype": "fp8_e4m3",
+        "model": fingerprint_of_config(read_model_config(out)).model_dump(),
+        "layers": {name: {"k_scale": 1.0, "v_scale": 1.0} for name in half.scales.layers},
+    }
+    checkpoint.ones.write_text(json.dumps(ones))
 
 
 @needs_fp8_cpu
-def test_checkpoint_scales_win_unless_overridden(vllm, saturating: Fp8Run, tmp_path_factory):
-    model = _with_checkpoint_scales(saturating, tmp_path_factory.mktemp("fp8-ckpt") / "model")
-    ones = {
-        "dtype": "fp8_e4m3",
-        "model": fingerprint_of_config(read_model_config(model)).model_dump(),
-        "layers": {name: {"k_scale": 1.0, "v_scale": 1.0} for name in saturating.scales.layers},
-    }
-    path = model.parent / "ones.json"
-    path.write_text(json.dumps(ones))
-
-    kept, forced = vllm.many(
-        _want(model, "--kv-cache-dtype", "fp8", "--additional-config",
-              json.dumps({"kvops": {"kv_scales": str(path)}})),
-        _want(model, "--kv-cache-dtype", "fp8", "--additional-config",
-              json.dumps({"kvops": {"kv_scales": {"path": str(path), "override_checkpoint": True}}})),
-    )
+def test_checkpoint_scales_win_unless_overridden(vllm, fp8: Fp8Module, saturating: Fp8Run):
+    checkpoint, path = fp8.checkpoint, fp8.checkpoint.ones
+    kept, forced = vllm.many(checkpoint.kept, checkpoint.forced)
     assert f"with the checkpoint's k/v scales; kv_scales {path} ignored" in vllm.log_of(kept)
-    kept_drift = drift(saturating.reference, score(kept.url, str(model)))
+    kept_drift = drift(saturating.reference, score(kept.url, str(checkpoint.model)))
     assert kept_drift.mean_abs_logprob_delta < saturating.scale1.mean_abs_logprob_delta / 4
 
     assert "(overriding the checkpoint's)" in vllm.log_of(forced)
-    forced_drift = drift(saturating.reference, score(forced.url, str(model)))
+    forced_drift = drift(saturating.reference, score(forced.url, str(checkpoint.model)))
     assert forced_drift.mean_abs_logprob_delta > 4 * kept_drift.mean_abs_logprob_delta
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from e2e.conftest import Want
+from e2e.conftest import AHEAD_AT_ONCE, Want
 from load_threads import LoadThreads
 
 from kvops.core.prom import parse_metrics, samples_by_name, selector_sum
@@ -82,11 +82,14 @@ class Stack:
         return Want(self.models(**dict(st.model_shape)), args, kv_cache_bytes=st.kv_cache_bytes)
 
     def ahead(self, *after: Want) -> None:
-        """Between tests: the later states' servers start ahead where the pool has a place for
-        them (the state entered last asked for some only once), then ``after`` (the next
-        modules')."""
+        """Between tests: the next later states' servers (AHEAD_AT_ONCE of them) start ahead
+        where the pool has a place for them (the state entered last asked for some only once),
+        then ``after`` (the next modules'). The states' keep no memory beside them for others:
+        they are what the module asks for next (with two servers' memory kept, a state's own
+        live server left room for none, and five states started in the foreground)."""
         if self.active is not None:
-            self.servers.ahead(*self._later_plain(state(self.active)), *after)
+            self.servers.ahead(*self._later_plain(state(self.active))[:AHEAD_AT_ONCE], reserve=0)
+            self.servers.ahead(*after)
 
     def _later_plain(self, st: State) -> list[Want]:
         """The servers of the states visited after this one that can start now, nearest first:
@@ -125,7 +128,9 @@ class Stack:
         elif st.server:
             server = self.servers.many(want)[0]
             env.update(VLLM_URL=server.url, VLLM_LOG=str(server.log_path))
-        self.servers.ahead(*self._later_plain(st))  # this state's server is up (or refused)
+        # this state's server is up (or refused); the next ones are what the module asks for
+        # next, so no memory is kept beside them for others (VllmServers.ahead's ``reserve``)
+        self.servers.ahead(*self._later_plain(st)[:AHEAD_AT_ONCE], reserve=0)
         if server is None:
             return env
         if st.lmcache == "down":
