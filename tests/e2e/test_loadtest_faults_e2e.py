@@ -270,8 +270,13 @@ USERS = 64
 def test_more_load_is_named_load_not_a_slower_phase(healthy, tmp_path):
     scenario = tmp_path / "ttft.yaml"
     # 240 words and 64 tokens: at 120 and 32 a quiet CI run's 16x read TTFT +18%, "healthy"
-    # (the tiny model served that work about as fast as it came)
-    scenario.write_text(f"workload: {{prompt_words: 240, max_tokens: 64}}\nusers: {USERS}\n")
+    # (the tiny model served that work about as fast as it came). Thresholds of 10% and 2 ms,
+    # not the defaults' 25% and 5 ms: what names 16x load is the client's ITL growing, and from
+    # the tiny model's ~7 ms runs here grew it by 2.6-8.1 ms, the lower end of its 95% CI at
+    # +21% to +66% (128 output tokens or 24x grew it no more): with the defaults half of ten
+    # runs read healthy, a CI run among them
+    scenario.write_text(f"workload: {{prompt_words: 240, max_tokens: 64}}\nusers: {USERS}\n"
+                        "threshold_rel: 0.10\nmin_abs_s: 0.002\n")
     common = ("--scenario-file", str(scenario))
     base = loadtest(tmp_path, "ttft-regression", healthy.url, *common, "--rate", "1",
                     "--duration", "15")
