@@ -516,8 +516,8 @@ def module_servers(request: pytest.FixtureRequest) -> None:
     started together before its first test (VllmServers.many); its tests then find them alive
     in the pool. A module whose tests each need their own configuration otherwise pays one
     start after another. A module that sets OWN_START asks for them itself, one after another,
-    each started ahead while it uses the one before (the fp8 module: nine servers, three of
-    them reading the scales that the others calibrate)."""
+    each started ahead while it uses the one before (the fp8 module: eleven servers, five of
+    them reading files that its fixture writes: calibrated scales, a checkpoint)."""
     wants = getattr(request.module, "SERVERS", ())
     later = later_servers(request)
     if not wants and not later:
