@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import requests
 
 from kvops.core import http
 from kvops.core.errors import BadInputError, KvopsError
-from kvops.core.prom import MetricsSample, parse_metrics
+from kvops.core.prom import COUNTERS, MetricsSample, parse_metrics
 
 DEFAULT_SELECTOR = '{job="vllm"}'
 _SELECTOR = re.compile(r"^\{.*\}$", re.DOTALL)
 # the series parse_metrics reads: vLLM's, the plugin's, LMCache's
 SERIES = r'__name__=~"vllm:.*|kvops_.*|lmcache:.*"'
 IDENTITY_READS = 6
+HOLD_GAUGES_S = 10.0
+"""How long a replica missing from the query keeps its last gauges in the fleet reading."""
 _START_TIME = re.compile(r"^process_start_time_seconds (\S+)$", re.MULTILINE)
 _CPU_SECONDS = re.compile(r"^process_cpu_seconds_total (\S+)$", re.MULTILINE)
 
@@ -146,6 +149,77 @@ def fleet_sample(replicas: dict[str, MetricsSample], t: float | None = None) -> 
     if out.cache_config and blocks and all(b is not None and b > 0 for b in blocks):
         out.cache_config["num_gpu_blocks"] = str(sum(b - 1 for b in blocks if b is not None) + 1)
     return out
+
+
+def is_counter(key: str) -> bool:
+    """A MetricsSample key that only grows while its server lives (summed histogram parts too)."""
+    return key in COUNTERS or key.endswith(("_total", "_sum", "_count", "_bucket"))
+
+
+@dataclass
+class _Held:
+    last: MetricsSample
+    offsets: dict[str, float] = field(default_factory=dict)
+    """Added to the replica's counters: minus what it had counted when it joined late, plus
+    what it had counted before each restart."""
+    bucket_offsets: dict[float, float] = field(default_factory=dict)
+
+
+class FleetReadings:
+    """Fleet readings (fleet_sample) that stay whole while replicas drop out of the query.
+
+    A scrape that fails (a replica too busy to answer within scrape_timeout: under KV load, the
+    moment that matters) makes Prometheus mark all its series stale, so the next instant query
+    lacks that replica; summed as it came, the fleet's counters fell (one run's preemptions went
+    17 -> 0 -> 20 and its step counted none) and its KV usage was the other replica's. So each
+    replica's last reading stands in while it is missing: counters always (a replica gone for good
+    has stopped counting), gauges for ``hold_gauges_s``. A replica first seen after the first
+    reading adds only what it counts from then on, and one whose counters went down (a restart)
+    counts on from where it was: the fleet's counters never go backwards or jump.
+    """
+
+    def __init__(self, hold_gauges_s: float = HOLD_GAUGES_S) -> None:
+        self.hold_gauges_s = hold_gauges_s
+        self.held: dict[str, _Held] = {}
+        self.missed: dict[str, int] = {}
+        """Readings each replica was missing from, after it was first seen."""
+        self.readings = 0
+
+    def add(self, replicas: dict[str, MetricsSample], t: float | None = None) -> MetricsSample:
+        now = time.time() if t is None else t
+        for instance, sample in replicas.items():
+            held = self.held.get(instance)
+            if held is None:
+                held = self.held[instance] = _Held(sample)
+                self.missed[instance] = 0
+                if self.readings:
+                    held.offsets = {k: -v for k, v in sample.values.items() if is_counter(k)}
+                    held.bucket_offsets = {le: -count for le, count in sample.ttft_buckets}
+                continue
+            counted = {k: v for k, v in held.last.values.items() if is_counter(k)}
+            for key, value in counted.items():
+                if sample.values.get(key, value) < value:
+                    held.offsets[key] = held.offsets.get(key, 0.0) + value
+            now_buckets, buckets = dict(sample.ttft_buckets), dict(held.last.ttft_buckets)
+            for le, count in buckets.items():
+                if now_buckets.get(le, count) < count:
+                    held.bucket_offsets[le] = held.bucket_offsets.get(le, 0.0) + count
+            # a counter missing from this reading keeps its last value
+            held.last = MetricsSample(t=sample.t, values={**counted, **sample.values},
+                                      cache_config=sample.cache_config or held.last.cache_config,
+                                      ttft_buckets=sorted({**buckets, **now_buckets}.items()))
+        for instance in self.held.keys() - replicas.keys():
+            self.missed[instance] += 1
+        self.readings += 1
+        return fleet_sample({instance: self._reading(held, now) for instance, held in sorted(self.held.items())},
+                            t=now)
+
+    def _reading(self, held: _Held, now: float) -> MetricsSample:
+        last, fresh = held.last, now - held.last.t <= self.hold_gauges_s
+        values = {key: value + held.offsets.get(key, 0.0) if is_counter(key) else value
+                  for key, value in last.values.items() if fresh or is_counter(key)}
+        buckets = [(le, count + held.bucket_offsets.get(le, 0.0)) for le, count in last.ttft_buckets]
+        return MetricsSample(t=last.t, values=values, cache_config=last.cache_config, ttft_buckets=buckets)
 
 
 def _int(value: Any) -> int | None:

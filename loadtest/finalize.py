@@ -52,6 +52,8 @@ class Run:
     """What the server wants with /tokenize (an API key, a proxy's headers); never written out."""
     replicas: dict[str, list[MetricsSample]] | None = None
     """The samples per replica when they were read from Prometheus (``samples`` is the fleet's)."""
+    missed: dict[str, int] | None = None
+    """With ``replicas``: the fleet readings each replica was missing from (a failed scrape)."""
     overdue_s: list[float] = field(default_factory=list)
     """ttft-regression: lateness at the stop of the arrivals never sent (every user waiting)."""
     overdue_count: int = 0
@@ -156,7 +158,7 @@ def finalize(run: Run) -> tuple[dict[str, Any], int]:
     write_jsonl(Path(files["metrics"]), (s.to_dict() for s in run.samples))
     section, verdicts, code = analyse(run)
     if run.replicas:
-        verdicts = name_replicas(verdicts, run.replicas)
+        verdicts = name_replicas(verdicts, run.replicas, run.missed)
     if any(v.problem != "healthy" for v in verdicts):
         code = EXIT_CHECK_FAILED  # README: 3 whenever a verdict names a problem
     result: dict[str, Any] = {

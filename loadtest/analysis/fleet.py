@@ -13,9 +13,11 @@ from kvops.core.prom import MetricsSample, delta
 from kvops.core.verdict import Verdict
 
 
-def replica_table(replicas: dict[str, list[MetricsSample]]) -> dict[str, dict[str, Any]]:
-    """Per replica: preemptions over the run, the largest KV usage and queue it showed."""
-    table = {}
+def replica_table(replicas: dict[str, list[MetricsSample]],
+                  missed: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
+    """Per replica: preemptions over the run, the largest KV usage and queue it showed; and, given
+    ``missed``, how many fleet readings lacked it (its scrape failed: too busy, or gone)."""
+    table: dict[str, dict[str, Any]] = {}
     for instance, samples in sorted(replicas.items()):
         if not samples:
             continue
@@ -25,6 +27,8 @@ def replica_table(replicas: dict[str, list[MetricsSample]]) -> dict[str, dict[st
             "waiting_max": max(s.get("waiting") for s in samples),
             "running_max": max(s.get("running") for s in samples),
         }
+        if missed is not None:
+            table[instance]["missed_readings"] = missed.get(instance, 0)
     return table
 
 
@@ -35,10 +39,11 @@ def worst(table: dict[str, dict[str, Any]]) -> str | None:
     return max(table, key=lambda i: (table[i]["preemptions"], table[i]["kv_usage_max"], table[i]["waiting_max"]))
 
 
-def name_replicas(verdicts: list[Verdict], replicas: dict[str, list[MetricsSample]]) -> list[Verdict]:
+def name_replicas(verdicts: list[Verdict], replicas: dict[str, list[MetricsSample]],
+                  missed: dict[str, int] | None = None) -> list[Verdict]:
     """Each verdict with the replicas' numbers in its evidence; a problem also names the worst
     replica (``instance``, as Prometheus and `kvops diagnose --prometheus` call it)."""
-    table = replica_table(replicas)
+    table = replica_table(replicas, missed)
     bad = worst(table)
     out = []
     for v in verdicts:

@@ -14,7 +14,7 @@ from gevent import Greenlet
 
 from kvops.core.errors import KvopsError
 from kvops.core.prom import MetricsSample, scrape
-from kvops.core.promql import Prometheus, fleet_sample, replica_samples
+from kvops.core.promql import FleetReadings, Prometheus, replica_samples
 
 
 class MetricsScraper:
@@ -62,13 +62,15 @@ class MetricsScraper:
 class PrometheusSampler(MetricsScraper):
     """The same samples for a fleet: each tick one query for every replica's series under
     ``selector``, reduced per replica (kept in ``replicas``, for evidence that names one) and
-    combined into one fleet reading (kvops.core.promql.fleet_sample)."""
+    combined into one fleet reading (kvops.core.promql.FleetReadings: a replica whose scrape
+    failed, and so is missing from a query, keeps its last reading in the fleet's)."""
 
     def __init__(self, prometheus: str, selector: str, interval_s: float = 1.0) -> None:
         super().__init__(prometheus, interval_s=interval_s)
         self.prometheus = Prometheus(prometheus)
         self.selector = selector
         self.replicas: dict[str, list[MetricsSample]] = {}
+        self.fleet = FleetReadings()
 
     def read(self) -> MetricsSample:
         now = time.time()
@@ -77,4 +79,4 @@ class PrometheusSampler(MetricsScraper):
             raise KvopsError(f"Prometheus at {self.url} has no vLLM series matching {self.selector}")
         for instance, sample in per_replica.items():
             self.replicas.setdefault(instance, []).append(sample)
-        return fleet_sample(per_replica, t=now)
+        return self.fleet.add(per_replica, t=now)

@@ -38,6 +38,7 @@ def finish(environment: Environment) -> None:
             processes=processes_of(environment), headers=endpoint_of(environment).header_dict(),
             ramp=getattr(environment, "kvops_ramp", None),
             replicas=getattr(scraper, "replicas", None),
+            missed=scraper.fleet.missed if hasattr(scraper, "fleet") else None,
             overdue_s=list(store.overdue_s), overdue_count=store.overdue_count,
         )
         result, code = finalize(run)

@@ -12,8 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvops.core.errors import BadInputError
-from kvops.core.prom import parse_metrics, samples_by_name
+from kvops.core.prom import MetricsSample, parse_metrics, samples_by_name
 from kvops.core.promql import (
+    FleetReadings,
     Series,
     answers_from_many,
     as_text,
@@ -70,6 +71,38 @@ def test_the_fleet_reading_sums_counts_and_keeps_the_fullest_replica() -> None:
     assert dict(fleet.ttft_buckets)[0.1] == 2  # one fast request on each
     # usable blocks 16 + 32, plus the one null block the concurrency formula takes off again
     assert fleet.cache_config["num_gpu_blocks"] == "49"
+
+
+def _replica(t: float, usage: float, preemptions: int) -> MetricsSample:
+    return parse_metrics(as_text(_as_queried(_page(usage, preemptions, 17, 0), "x:1")), t=t)
+
+
+def test_a_replica_missing_from_a_query_keeps_its_last_reading_in_the_fleet() -> None:
+    """A failed scrape drops a replica's series from the instant query (Prometheus marks them
+    stale): the fleet keeps its last counters, and its gauges for a while, instead of falling."""
+    fleet = FleetReadings(hold_gauges_s=5.0)
+    first = fleet.add({"a:1": _replica(0, 0.2, 3), "b:1": _replica(0, 0.9, 17)}, t=0)
+    assert (first.get("preemptions"), first.get("kv_usage"), first.get("running")) == (20, 0.9, 4)
+    gap = fleet.add({"a:1": _replica(1, 0.3, 4)}, t=1)  # b's scrape timed out
+    assert (gap.get("preemptions"), gap.get("kv_usage"), gap.get("running")) == (21, 0.9, 4)
+    assert gap.cache_config["num_gpu_blocks"] == "33"  # still two replicas' pools
+    later = fleet.add({"a:1": _replica(7, 0.3, 4)}, t=7)  # b silent for 7 s: gauges gone, counts kept
+    assert (later.get("preemptions"), later.get("kv_usage"), later.get("running")) == (21, 0.3, 2)
+    back = fleet.add({"a:1": _replica(8, 0.3, 4), "b:1": _replica(8, 1.0, 19)}, t=8)
+    assert (back.get("preemptions"), back.get("kv_usage")) == (23, 1.0)
+    assert fleet.missed == {"a:1": 0, "b:1": 2}
+
+
+def test_a_replica_that_joins_late_or_restarts_adds_only_what_it_counts_then() -> None:
+    fleet = FleetReadings()
+    assert fleet.add({"a:1": _replica(0, 0.2, 3)}, t=0).get("preemptions") == 3
+    # b was missing from the first reading with 17 preemptions behind it: none of them are this run's
+    assert fleet.add({"a:1": _replica(1, 0.2, 3), "b:1": _replica(1, 0.5, 17)}, t=1).get("preemptions") == 3
+    assert fleet.add({"a:1": _replica(2, 0.2, 3), "b:1": _replica(2, 0.5, 18)}, t=2).get("preemptions") == 4
+    # a restarted: its counters start again from zero, and the fleet's go on from 4
+    restarted = fleet.add({"a:1": _replica(3, 0.1, 1), "b:1": _replica(3, 0.5, 18)}, t=3)
+    assert restarted.get("preemptions") == 5
+    assert restarted.get("ttft_count") == 2  # a's two; b's two were counted before it joined
 
 
 def test_every_series_comes_in_one_query_under_the_selector() -> None:

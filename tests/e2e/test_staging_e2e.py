@@ -28,6 +28,8 @@ import pytest
 import requests
 
 from kvops.core.prom import samples_by_name
+from kvops.core.promql import DEFAULT_SELECTOR
+from kvops.loadtest.hooks.scraper import PrometheusSampler
 from kvops.ops.staging.fleet import Fleet, start_prometheus, wait_targets_up
 
 from .staging import REPO, WAIT_S, promql, proxy_load, wait_for
@@ -197,6 +199,42 @@ def test_promtool_finds_nothing_wrong_with_kvops_series(staging_fleet: Fleet) ->
         assert proc.returncode in (0, 3), proc.stdout + proc.stderr  # 3: lint findings only
         ours = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("kvops_")]
         assert ours == [], ours
+
+
+def test_a_replica_that_misses_scrapes_keeps_its_counts_in_the_load_tests_fleet_reading(
+        staging_fleet: Fleet) -> None:
+    """A replica too busy to answer a 1 s scrape drops out of Prometheus' instant queries (a
+    failed scrape marks its series stale); here it is held stopped (SIGSTOP) for 3 s, the same
+    fault on demand. The load test's fleet reading keeps its counters and KV pool instead of
+    falling: summed as queried, one CI run read 17 -> 0 -> 20 preemptions and called a
+    preempting step compute-bound."""
+    replica, instance = staging_fleet.replicas[0], staging_fleet.instances()[0]
+    body = {"model": staging_fleet.spec.served_model_name, "prompt": "hello", "max_tokens": 2}
+    requests.post(replica.url + "/v1/completions", json=body, headers=staging_fleet.headers(), timeout=120)
+    wait_for(f"{instance}'s prompt tokens in Prometheus", lambda: promql(
+        staging_fleet, f'vllm:prompt_tokens_total{{instance="{instance}"}} > 0')["data"]["result"])
+    sampler = PrometheusSampler(staging_fleet.prometheus_url, DEFAULT_SELECTOR)
+
+    def read_for(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            sampler.sample_now()
+            time.sleep(0.25)
+
+    read_for(2.0)
+    replica.pause()
+    try:
+        read_for(3.0)
+    finally:
+        replica.resume()
+    read_for(3.0)
+    assert sampler.failures == []
+    assert sampler.fleet.missed[instance] >= 1, "Prometheus kept answering for the stopped replica"
+    assert len(sampler.replicas[instance]) < len(sampler.samples)
+    counts = [s.get("prompt_tokens") for s in sampler.samples]
+    assert counts == sorted(counts), counts
+    pools = {s.cache_config["num_gpu_blocks"] for s in sampler.samples}
+    assert len(pools) == 1, pools  # both replicas' blocks in every reading
 
 
 def _model_names(page: str, prefix: str) -> set[str | None]:
