@@ -512,10 +512,11 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServers]:
 
 @pytest.fixture(scope="module", autouse=True)
 def module_servers(request: pytest.FixtureRequest) -> None:
-    """The servers a module lists in SERVERS (Want, model None = the default tiny model),
-    started together before its first test (VllmServers.many); its tests then find them alive
-    in the pool. A module whose tests each need their own configuration otherwise pays one
-    start after another. A module that sets OWN_START asks for them itself, one after another,
+    """The servers a module lists in SERVERS (Want, model None = the default tiny model), in
+    the order its tests ask for them: the first before its first test (VllmServers.many), the
+    rest started ahead meanwhile (``own_pending``), so that its tests find them alive in the
+    pool or under way. A module whose tests each need their own configuration otherwise pays
+    one start after another. A module that sets OWN_START asks for them itself, one after another,
     each started ahead while it uses the one before (the fp8 module: eleven servers, five of
     them reading files that its fixture writes: calibrated scales, a checkpoint)."""
     wants = getattr(request.module, "SERVERS", ())
@@ -528,24 +529,37 @@ def module_servers(request: pytest.FixtureRequest) -> None:
     if getattr(request.module, "OWN_START", False):
         return  # the module asks for its SERVERS as it goes, each started ahead of its turn
     if wants:
-        servers.many(*(w.on(models) for w in wants))
+        # the first now (started ahead, most often); the rest ahead, for the tests that ask for
+        # them (all at once, in the foreground, the load-test module's first test waited 61 s)
+        servers.many(wants[0].on(models))
+        servers.ahead(*own_pending(request, servers), reserve=0)
     servers.ahead(*(w.on(models) for w in later))
 
 
 @pytest.fixture(autouse=True)
 def _servers_ahead(request: pytest.FixtureRequest) -> None:
-    """Before each test, not only a module's first, the next modules' SERVERS start ahead where
-    ``VllmServers.ahead`` has a place for them: at a module's start AHEAD_AT_ONCE of them at
-    most, and a module with more (the load-test one lists five) started the rest itself, in the
-    foreground. Not before a ``quiet`` test (the starts would wait, held, through it), nor in a
-    module that sets OWN_AHEAD (the runbook stack's states come first there)."""
+    """Before each test, not only a module's first, the module's own SERVERS not yet asked for,
+    then the next modules', start ahead where ``VllmServers.ahead`` has a place for them
+    (AHEAD_AT_ONCE at a time: the load-test module lists five). Not before a ``quiet`` test (the
+    starts would wait, held, through it), nor in a module that sets OWN_AHEAD (the runbook
+    stack's states come first there)."""
     if ("pool" not in _SESSION or getattr(request.module, "OWN_AHEAD", False)
             or request.node.get_closest_marker("quiet") is not None):
         return
-    later = later_servers(request)
-    if later:
-        models = session_models(request.getfixturevalue("tmp_path_factory"))
-        session_pool(request.getfixturevalue("tmp_path_factory")).ahead(*(w.on(models) for w in later))
+    factory = request.getfixturevalue("tmp_path_factory")
+    pool, models = session_pool(factory), session_models(factory)
+    if not getattr(request.module, "OWN_START", False):
+        pool.ahead(*own_pending(request, pool), reserve=0)
+    pool.ahead(*(w.on(models) for w in later_servers(request)))
+
+
+def own_pending(request: pytest.FixtureRequest, pool: VllmServers) -> list[Want]:
+    """This module's SERVERS that none of its tests has asked for yet (``VllmServers.used``):
+    they start ahead first, with no memory kept beside them (they are what it asks for next).
+    One asked for and since stopped is not started again: no test may need it any more."""
+    models = session_models(request.getfixturevalue("tmp_path_factory"))
+    wants = (w.on(models) for w in getattr(request.module, "SERVERS", ()))
+    return [w for w in wants if w.key not in pool.used]
 
 
 @pytest.fixture(autouse=True)

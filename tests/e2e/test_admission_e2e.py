@@ -32,7 +32,7 @@ ADMISSION = {"kvops": {"admission": {
     "policy": "strict", "max_queued_requests": 6, "tenants": {"small": {"max_in_flight": 1}},
     "default_tenant": {"max_in_flight": 1000},  # every other tenant: its own, generous budget
 }}}
-SERVERS = (  # started together before the first test (conftest.module_servers)
+SERVERS = (  # the first before the first test, the rest ahead (conftest.module_servers)
     Want(None, (*ARGS, "--additional-config", json.dumps(ADMISSION)), kv_cache_bytes=KV_BYTES),
     Want(None, ARGS, kv_cache_bytes=KV_BYTES, env={"VLLM_PLUGINS": "none"}),
 )

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 BLOCK_BYTES = 128 * 4 * 2 * 64 * 2 * 2  # block 128 × 4 layers × 2 KV heads × 64 × K,V × bf16
 SMALL_KV_BLOCKS = 12
 LEN = ("--max-model-len", "2048")
-SERVERS = (  # started together before the first test (conftest.module_servers)
+SERVERS = (  # the first before the first test, the rest ahead (conftest.module_servers)
     Want(None, ("--max-model-len", "1024"), kv_cache_bytes=SMALL_KV_BLOCKS * BLOCK_BYTES),
     Want(None, LEN),
     Want(None, (*LEN, "--max-num-seqs", "2")),

@@ -59,10 +59,10 @@ def two_seqs(vllm, tiny_model):
 # --- KV limits set by the server's flags, found by the default (sized) ramp ---------------
 
 OVERRIDE_BLOCKS = 31
-SERVERS = (  # started together before the first test (conftest.module_servers)
-    Want(None, ("--max-model-len", "2048")),
-    Want(None, ("--max-model-len", "2048", "--max-num-seqs", "2")),
+SERVERS = (  # the first before the first test, the rest ahead (conftest.module_servers)
     Want(None, ("--max-model-len", "1024", "--num-gpu-blocks-override", str(OVERRIDE_BLOCKS))),
+    Want(None, ("--max-model-len", "2048", "--max-num-seqs", "2")),
+    Want(None, ("--max-model-len", "2048")),
 )
 
 

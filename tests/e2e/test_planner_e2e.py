@@ -84,9 +84,9 @@ def _servers() -> tuple[Want, ...]:
 
 
 SERVERS = _servers()
-"""Every server of the module, asked for at once before its first test (conftest.module_servers:
-started two at a time, one per core, or ahead while the modules before it run); each test then
-finds its own alive."""
+"""Every server of the module, in the order its tests ask for them (conftest.module_servers:
+the first before its first test, the rest ahead meanwhile, or all ahead while the modules before
+it run); each test then finds its own alive or under way."""
 
 
 @pytest.mark.parametrize(("shape", "kv_dtype", "kv_bytes", "mml"), CASES)
