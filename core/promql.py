@@ -64,6 +64,26 @@ class Prometheus:
     def by_instance(self, promql: str) -> dict[str, float]:
         return {labels.get("instance", ""): value for labels, value in self.query(promql)}
 
+    def scrape_errors(self) -> dict[str, dict[str, Any]]:
+        """Per ``instance`` of an active target whose last scrape failed: Prometheus' own
+        ``lastError``, ``lastScrapeDuration`` and ``scrapeTimeout`` (/api/v1/targets). Empty when
+        the API does not answer so (a proxy that passes only queries): the caller then knows
+        only ``up == 0``."""
+        try:
+            body = http.get(self.url + "/api/v1/targets", self.timeout_s, params={"state": "active"}).json()
+            targets = body["data"]["activeTargets"]
+        except (requests.RequestException, ValueError, KeyError, TypeError):
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        for target in targets if isinstance(targets, list) else []:
+            if not isinstance(target, dict) or target.get("health") != "down":
+                continue
+            instance = (target.get("labels") or {}).get("instance", "")
+            out[instance] = {"last_error": str(target.get("lastError", "")),
+                             "last_scrape_duration_s": target.get("lastScrapeDuration"),
+                             "scrape_timeout": target.get("scrapeTimeout")}
+        return out
+
 
 def check_selector(selector: str) -> str:
     if not _SELECTOR.match(selector.strip()):

@@ -15,10 +15,12 @@ PROBLEMS: dict[str, tuple[str, ...]] = {
     # the run could not establish what it set out to test: the load never reached the limit,
     # or the load generator fell behind its own schedule
     # (target-down: Prometheus cannot scrape a replica, so `kvops diagnose --prometheus` cannot
-    # say what ails it; preempted: a trace replay's recomputed blocks counted as hits again;
-    # no-samples: no request of a ttft-regression run measured a TTFT, all failed or none sent)
-    "inconclusive": ("limit-not-reached", "client-bound", "target-down", "preempted",
-                     "no-samples"),
+    # say what ails it; scrape-timeout: the same, but the replica accepted the scrape and did not
+    # answer in time, as a server overloaded does; preempted: a trace replay's recomputed blocks
+    # counted as hits again; no-samples: no request of a ttft-regression run measured a TTFT,
+    # all failed or none sent)
+    "inconclusive": ("limit-not-reached", "client-bound", "target-down", "scrape-timeout",
+                     "preempted", "no-samples"),
 }
 RUNBOOKS = "runbooks/"
 KV_USAGE_BOUND = 0.9

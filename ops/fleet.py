@@ -71,16 +71,34 @@ def diagnose_fleet(prometheus: str, selector: str = DEFAULT_SELECTOR,
         raise BadInputError(f"Prometheus at {prometheus} scrapes no target matching {sel}: "
                             "check --selector (the job name of your vLLM scrape config)")
     samples = _samples(prom, sel, window_s)
+    errors = prom.scrape_errors() if any(v < 1 for v in up.values()) else {}
     replicas: dict[str, list[Verdict]] = {}
     for instance in sorted(up):
         if up[instance] < 1:
-            replicas[instance] = [Verdict(
-                "inconclusive", "target-down", {"instance": instance, "up": 0},
-                "Prometheus cannot scrape this replica: is it running? (runbooks/startup-kv-oom.md)")]
+            replicas[instance] = [_unscraped(instance, errors.get(instance, {}))]
             continue
         first, last = samples.get(instance, (MetricsSample(0.0), MetricsSample(window_s)))
         replicas[instance] = diagnose_samples(first, last)
     return FleetDiagnosis(replicas, tuple(i for i, v in up.items() if v < 1), _fleet_verdicts(replicas))
+
+
+_TIMED_OUT = ("deadline exceeded", "timeout", "timed out")
+
+
+def _unscraped(instance: str, error: dict[str, Any]) -> Verdict:
+    """A replica whose last scrape failed. Prometheus' error tells a server that took the
+    connection and did not answer within scrape_timeout (alive and overloaded, most often: under
+    KV load a CPU server here missed its 1 s scrapes) from one that refused it (down)."""
+    evidence: dict[str, Any] = {"instance": instance, "up": 0, **error}
+    if any(word in error.get("last_error", "").lower() for word in _TIMED_OUT):
+        return Verdict(
+            "inconclusive", "scrape-timeout", evidence,
+            f"the replica took Prometheus' scrape and did not answer /metrics within "
+            f"{error.get('scrape_timeout') or 'scrape_timeout'}: an overloaded server does this; read "
+            f"it directly with `kvops diagnose --url http://{instance}` and see runbooks/kv-exhaustion.md "
+            "(runbooks/startup-kv-oom.md if it does not answer at all)")
+    return Verdict("inconclusive", "target-down", evidence,
+                   "Prometheus cannot scrape this replica: is it running? (runbooks/startup-kv-oom.md)")
 
 
 def _samples(prom: Prometheus, sel: str, window_s: float) -> dict[str, tuple[MetricsSample, MetricsSample]]:

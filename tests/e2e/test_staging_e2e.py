@@ -1,9 +1,10 @@
 """The staging fleet end to end: diagnosis per replica from Prometheus, the load-balancer guard,
 the runbooks' PromQL on live data, alerts that fire under real load and reach the webhook with
 job/instance/model_name/runbook_url, resolve when it stops, a distributed `kvops loadtest`
-through the proxy (metrics from Prometheus) that agrees with one process, and a down alert for a
-job whose targets all vanished (absent(), on a second Prometheus) and for a killed replica (with
-its model_name).
+through the proxy (metrics from Prometheus) that agrees with one process, a replica that misses
+its scrapes (held stopped) kept whole in the load test's fleet reading and diagnosed as too busy
+to answer rather than dead, and a down alert for a job whose targets all vanished (absent(), on a
+second Prometheus) and for a killed replica (with its model_name).
 
 Tests run in file order on one fleet; the last one kills a replica. The alert rules are
 runbooks/alerts.yaml with staging durations (`for: 3s`, 15 s windows, kvops.ops.staging.configs).
@@ -237,6 +238,31 @@ def test_a_replica_that_misses_scrapes_keeps_its_counts_in_the_load_tests_fleet_
     assert len(pools) == 1, pools  # both replicas' blocks in every reading
 
 
+def _down_in_prometheus(fleet: Fleet, instance: str) -> dict[str, Any] | None:
+    targets = requests.get(fleet.prometheus_url + "/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+    return next((t for t in targets if t["labels"]["instance"] == instance and t["health"] == "down"), None)
+
+
+def test_a_replica_too_busy_to_answer_its_scrape_is_told_from_a_dead_one(staging_fleet: Fleet) -> None:
+    """Held stopped, a replica still takes the scrape's connection (the kernel accepts it) and
+    answers nothing until scrape_timeout: what an overloaded server does. `kvops diagnose
+    --prometheus` says scrape-timeout with Prometheus' error, not "is it running?" (a killed
+    replica refuses the connection: target-down, in the last test)."""
+    replica, instance = staging_fleet.replicas[0], staging_fleet.instances()[0]
+    replica.pause()
+    try:
+        wait_for(f"Prometheus marking {instance} down", lambda: _down_in_prometheus(staging_fleet, instance))
+        code, doc = fleet_json(staging_fleet)
+    finally:
+        replica.resume()
+    [verdict] = doc["replicas"][instance]
+    assert code == 3, doc
+    assert (verdict["problem"], verdict["cause"]) == ("inconclusive", "scrape-timeout"), verdict
+    assert "deadline exceeded" in verdict["evidence"]["last_error"], verdict
+    assert f"kvops diagnose --url http://{instance}" in verdict["next"]
+    wait_for(f"{instance} scraped again", lambda: not _down_in_prometheus(staging_fleet, instance))
+
+
 def _model_names(page: str, prefix: str) -> set[str | None]:
     """The model_name values of every sample whose name starts with ``prefix`` (None: no label)."""
     return {labels.get("model_name") for name, rows in samples_by_name(page).items()
@@ -373,3 +399,4 @@ def test_a_killed_replica_fires_the_down_alert(staging_fleet: Fleet) -> None:
     code, doc = fleet_json(staging_fleet)
     assert code == 3
     assert doc["replicas"][victim][0]["cause"] == "target-down"
+    assert "refused" in doc["replicas"][victim][0]["evidence"]["last_error"]  # not a timeout
