@@ -196,6 +196,9 @@ class VllmServers:
         self.used: set[tuple[object, ...]] = set()
         """Configurations asked for since ``module_servers`` last cleared it (the running
         module's): ``ahead`` stops none of them to make room."""
+        self.announced: list[Want] = []
+        """Configurations the running module will ask for that its SERVERS cannot list (they
+        read a file or reach a server that its fixtures make): started ahead like its SERVERS."""
 
     def __call__(
         self,
@@ -297,6 +300,13 @@ class VllmServers:
         """The servers asked for until now may make room for ``ahead`` (a new module, or a new
         runbook state, begins)."""
         self.used.clear()
+        self.announced.clear()
+
+    def announce(self, *wants: Want) -> None:
+        """The running module will ask for these: start them ahead now where there is a place,
+        else before a later test of the module (``own_pending``), before the next modules'."""
+        self.announced.extend(wants)
+        self.ahead(*wants, reserve=0)
 
     def _under_way(self) -> list[tuple[Want, ManagedServer]]:
         """Servers started ahead that are not ready yet (their memory is still growing)."""
@@ -554,12 +564,13 @@ def _servers_ahead(request: pytest.FixtureRequest) -> None:
 
 
 def own_pending(request: pytest.FixtureRequest, pool: VllmServers) -> list[Want]:
-    """This module's SERVERS that none of its tests has asked for yet (``VllmServers.used``):
+    """This module's SERVERS, and the servers it announced (``VllmServers.announce``), that none
+    of its tests has asked for yet (``VllmServers.used``):
     they start ahead first, with no memory kept beside them (they are what it asks for next).
     One asked for and since stopped is not started again: no test may need it any more."""
     models = session_models(request.getfixturevalue("tmp_path_factory"))
-    wants = (w.on(models) for w in getattr(request.module, "SERVERS", ()))
-    return [w for w in wants if w.key not in pool.used]
+    wants = [w.on(models) for w in getattr(request.module, "SERVERS", ())]
+    return [w for w in (*wants, *pool.announced) if w.key not in pool.used]
 
 
 @pytest.fixture(autouse=True)

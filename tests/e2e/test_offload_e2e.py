@@ -400,16 +400,32 @@ def test_offload_serve_stops_cleanly_on_sigterm(lmcache):
 
 
 @pytest.fixture(scope="module")
-def storing_only_vllm(vllm, tiny_model, tmp_path_factory: pytest.TempPathFactory
-                      ) -> Iterator[ManagedServer]:
+def storing_only_lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
     """A real connector that stores but cannot load: LMCache's L1 is smaller than one chunk
     (400 KiB < 256 tokens x 2 KiB) and there is no disk tier, so every store is dropped."""
     server = Lmcache(tmp_path_factory.mktemp("offload-tiny-l1"), l1_gib=0.0004,
                      disk_path=None, disk_gib=None)
     server.start()
-    yield vllm(tiny_model, "--max-model-len", "2048",
-               "--additional-config", server.vllm_settings())
+    yield server
     server.stop()
+
+
+def _storing_only(tiny_model: Path, lmcache: Lmcache) -> Want:
+    return Want(tiny_model, ("--max-model-len", "2048", "--additional-config", lmcache.vllm_settings()))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _storing_only_ahead(module_servers, vllm, tiny_model, storing_only_lmcache: Lmcache) -> None:
+    """The last test's server starts ahead while the module's other tests run (its LMCache
+    first: the connector's preflight reaches it at start-up); asked for by that test alone, it
+    was a start in the foreground of 43 s. After ``module_servers``, which begins the module's
+    phase (and forgets what the module before announced)."""
+    vllm.announce(_storing_only(tiny_model, storing_only_lmcache))
+
+
+@pytest.fixture(scope="module")
+def storing_only_vllm(vllm, tiny_model, storing_only_lmcache: Lmcache) -> ManagedServer:
+    return vllm.many(_storing_only(tiny_model, storing_only_lmcache))[0]
 
 
 def test_load_path_canary_fails_when_the_connector_stores_but_cannot_load(
