@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import requests
 
@@ -176,6 +176,18 @@ def is_counter(key: str) -> bool:
     return key in COUNTERS or key.endswith(("_total", "_sum", "_count", "_bucket"))
 
 
+_K = TypeVar("_K", str, float)
+
+
+def _count_on(before: dict[_K, float], now: dict[_K, float], offsets: dict[_K, float]) -> dict[_K, float]:
+    """Counters as read ``now``, one missing from it keeping its value ``before``; one that went
+    down (its server restarted) adds what it had counted to its offset."""
+    for key, value in before.items():
+        if now.get(key, value) < value:
+            offsets[key] = offsets.get(key, 0.0) + value
+    return {**before, **now}
+
+
 @dataclass
 class _Held:
     last: MetricsSample
@@ -217,17 +229,10 @@ class FleetReadings:
                     held.bucket_offsets = {le: -count for le, count in sample.ttft_buckets}
                 continue
             counted = {k: v for k, v in held.last.values.items() if is_counter(k)}
-            for key, value in counted.items():
-                if sample.values.get(key, value) < value:
-                    held.offsets[key] = held.offsets.get(key, 0.0) + value
-            now_buckets, buckets = dict(sample.ttft_buckets), dict(held.last.ttft_buckets)
-            for le, count in buckets.items():
-                if now_buckets.get(le, count) < count:
-                    held.bucket_offsets[le] = held.bucket_offsets.get(le, 0.0) + count
-            # a counter missing from this reading keeps its last value
-            held.last = MetricsSample(t=sample.t, values={**counted, **sample.values},
+            buckets = _count_on(dict(held.last.ttft_buckets), dict(sample.ttft_buckets), held.bucket_offsets)
+            held.last = MetricsSample(t=sample.t, values=_count_on(counted, sample.values, held.offsets),
                                       cache_config=sample.cache_config or held.last.cache_config,
-                                      ttft_buckets=sorted({**buckets, **now_buckets}.items()))
+                                      ttft_buckets=sorted(buckets.items()))
         for instance in self.held.keys() - replicas.keys():
             self.missed[instance] += 1
         self.readings += 1
