@@ -55,19 +55,24 @@ class MetricsSample:
     values: dict[str, float] = field(default_factory=dict)
     cache_config: dict[str, str] = field(default_factory=dict)
     ttft_buckets: list[tuple[float, float]] = field(default_factory=list)
+    unread: list[str] = field(default_factory=list)
+    """A fleet reading's replicas missing from this query, standing in with their last reading
+    (kvops.core.promql.FleetReadings): what they counted since reaches a later reading."""
 
     def get(self, key: str, default: float = 0.0) -> float:
         return self.values.get(key, default)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"t": self.t, "values": self.values, "cache_config": self.cache_config,
-                "ttft_buckets": self.ttft_buckets}
+        out = {"t": self.t, "values": self.values, "cache_config": self.cache_config,
+               "ttft_buckets": self.ttft_buckets}
+        return {**out, "unread": self.unread} if self.unread else out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MetricsSample:
         return cls(t=float(data["t"]), values=dict(data.get("values", {})),
                    cache_config=dict(data.get("cache_config", {})),
-                   ttft_buckets=[(float(a), float(b)) for a, b in data.get("ttft_buckets", [])])
+                   ttft_buckets=[(float(a), float(b)) for a, b in data.get("ttft_buckets", [])],
+                   unread=[str(i) for i in data.get("unread", [])])
 
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]

@@ -233,11 +233,14 @@ class FleetReadings:
             held.last = MetricsSample(t=sample.t, values=_count_on(counted, sample.values, held.offsets),
                                       cache_config=sample.cache_config or held.last.cache_config,
                                       ttft_buckets=sorted(buckets.items()))
-        for instance in self.held.keys() - replicas.keys():
+        unread = sorted(self.held.keys() - replicas.keys())
+        for instance in unread:
             self.missed[instance] += 1
         self.readings += 1
-        return fleet_sample({instance: self._reading(held, now) for instance, held in sorted(self.held.items())},
-                            t=now)
+        out = fleet_sample({instance: self._reading(held, now) for instance, held in sorted(self.held.items())},
+                           t=now)
+        out.unread = unread
+        return out
 
     def _reading(self, held: _Held, now: float) -> MetricsSample:
         last, fresh = held.last, now - held.last.t <= self.hold_gauges_s

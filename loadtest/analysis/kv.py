@@ -49,6 +49,9 @@ class StepResult:
     classification: str = OK
     max_num_seqs: float | None = None
     """The server's --max-num-seqs from the kvops plugin's gauge; None on a server without it."""
+    counters_late_s: float = 0.0
+    """How far past the step's end its counters were read: a replica whose scrape failed over
+    the end reports what it counted in the step only at its next reading (_counter_edge)."""
 
 
 def step_bounds(config: KvExhaustionConfig, started_at: float) -> list[tuple[int, float, float]]:
@@ -62,9 +65,7 @@ def measure_step(index: int, users: int, start: float, end: float, config: KvExh
     sent = [r for r in records if start <= r.sent_at < end]
     done = [r for r in records if settled <= r.done_at < end and r.ok]
     in_step = window(samples, settled, end) or window(samples, start, end)
-    # counter deltas from just before the step to its end, never past it: the next step's users
-    # start at `end`, and a preemption they cause must not make this step look KV-bound
-    edge = window(samples, start - 1.5, end)
+    edge = _counter_edge(samples, start, end)
     ttfts = [r.ttft_s for r in sent if r.ttft_s is not None]
     return StepResult(
         index=index, users=users, start=start, end=end, requests=len(sent),
@@ -78,7 +79,23 @@ def measure_step(index: int, users: int, start: float, end: float, config: KvExh
         preemptions=delta(edge[0], edge[-1], "preemptions") if len(edge) >= 2 else 0.0,
         max_num_seqs=next((s.values[SCHED_MAX_SEQS] for s in reversed(edge or samples)
                            if SCHED_MAX_SEQS in s.values), None),
+        counters_late_s=round(max(0.0, edge[-1].t - end), 3) if edge else 0.0,
     )
+
+
+def _counter_edge(samples: list[MetricsSample], start: float, end: float) -> list[MetricsSample]:
+    """The readings a step's counter deltas run over: from just before the step to its end, not
+    past it (the next step's users start at ``end``; a preemption they cause must not make this
+    step look KV-bound), unless a replica of a fleet was unread at the end. A replica too busy to
+    answer its scrape (the KV-bound one, as a rule) is held at its last counts, and its preemptions
+    in the step reach only its next reading: CI once saw a step with 0 where the replica had 1.
+    Then the deltas run to the first reading, within one more step, that has them all again."""
+    edge = window(samples, start - 1.5, end)
+    if not edge or not edge[-1].unread:
+        return edge
+    missing = set(edge[-1].unread)
+    late = next((s for s in samples if end < s.t <= end + (end - start) and not missing & set(s.unread)), None)
+    return edge + [late] if late is not None else edge
 
 
 def classify(step: StepResult, previous: StepResult | None, config: KvExhaustionConfig) -> str:
@@ -193,6 +210,8 @@ def analyse(config: KvExhaustionConfig, records: list[RequestRecord], samples: l
     })
     if knee.max_num_seqs is not None:
         evidence["server_max_num_seqs"] = int(knee.max_num_seqs)
+    if knee.counters_late_s:
+        evidence["counters_late_s"] = knee.counters_late_s  # a replica's scrapes failed over its end
     if "predicted_max_concurrency" in plan:
         evidence["knee_vs_prediction"] = (
             f"knee at {knee.users} users; the KV cache holds {plan['predicted_max_concurrency']} "

@@ -27,6 +27,10 @@ class MetricsScraper:
         self.interval_s = interval_s
         self.samples: list[MetricsSample] = []
         self.failures: list[str] = []
+        self.replicas: dict[str, list[MetricsSample]] | None = None
+        """Each replica's own readings, for a fleet read through Prometheus (None: one server)."""
+        self.missed: dict[str, int] | None = None
+        """Readings each replica was missing from (a fleet's; None: one server)."""
         self._greenlet: Greenlet | None = None
 
     def start(self) -> None:
@@ -59,6 +63,10 @@ class MetricsScraper:
             gevent.sleep(max(0.0, next_at - time.monotonic()))
 
 
+CATCH_UP_S = 15.0
+"""How long a fleet's sampling goes on after the run for replicas missing from its last reading."""
+
+
 class PrometheusSampler(MetricsScraper):
     """The same samples for a fleet: each tick one query for every replica's series under
     ``selector``, reduced per replica (kept in ``replicas``, for evidence that names one) and
@@ -69,8 +77,20 @@ class PrometheusSampler(MetricsScraper):
         super().__init__(prometheus, interval_s=interval_s)
         self.prometheus = Prometheus(prometheus)
         self.selector = selector
-        self.replicas: dict[str, list[MetricsSample]] = {}
         self.fleet = FleetReadings()
+        self._per_replica: dict[str, list[MetricsSample]] = {}
+        self.replicas, self.missed = self._per_replica, self.fleet.missed
+
+    def stop(self, settle_s: float = 1.0) -> None:
+        """Stop as MetricsScraper does, then read on while a replica is missing from the last
+        reading, for up to CATCH_UP_S: one whose scrapes failed over the run's end (too busy to
+        answer, as a KV-bound replica is) has counted preemptions that only its next reading
+        brings (kvops.loadtest.analysis.kv._counter_edge). A replica gone for good costs the wait."""
+        super().stop(settle_s)
+        deadline = time.monotonic() + CATCH_UP_S
+        while self.samples and self.samples[-1].unread and time.monotonic() < deadline:
+            gevent.sleep(self.interval_s)
+            self.sample_now()
 
     def read(self) -> MetricsSample:
         now = time.time()
@@ -78,5 +98,5 @@ class PrometheusSampler(MetricsScraper):
         if not per_replica:
             raise KvopsError(f"Prometheus at {self.url} has no vLLM series matching {self.selector}")
         for instance, sample in per_replica.items():
-            self.replicas.setdefault(instance, []).append(sample)
+            self._per_replica.setdefault(instance, []).append(sample)
         return self.fleet.add(per_replica, t=now)

@@ -37,8 +37,7 @@ def finish(environment: Environment) -> None:
             replay=getattr(environment, "kvops_replay", None),
             processes=processes_of(environment), headers=endpoint_of(environment).header_dict(),
             ramp=getattr(environment, "kvops_ramp", None),
-            replicas=getattr(scraper, "replicas", None),
-            missed=scraper.fleet.missed if hasattr(scraper, "fleet") else None,
+            replicas=scraper.replicas, missed=scraper.missed,
             overdue_s=list(store.overdue_s), overdue_count=store.overdue_count,
         )
         result, code = finalize(run)

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from kvops.core.prom import MetricsSample
+from kvops.core.promql import FleetReadings
 from kvops.core.stats import bootstrap_relative_change, row_percentile
 from kvops.loadtest.analysis import kv, prefix, ttft
 from kvops.loadtest.config import KvExhaustionConfig, TtftRegressionConfig
@@ -207,3 +208,32 @@ def test_preemptions_after_a_steps_end_belong_to_the_next_step():
                for t in [x * 0.5 for x in range(0, 41)]]
     assert kv.measure_step(0, 1, 0, 10, cfg, [], samples).preemptions == 0
     assert kv.measure_step(1, 2, 10, 20, cfg, [], samples).preemptions == 3
+
+
+def _fleet(unread: set[int], preempted_at: float = 9.0) -> list[MetricsSample]:
+    """A two-replica fleet read once a second through FleetReadings; replica b preempts once at
+    ``preempted_at`` and is missing from the readings at the times in ``unread``."""
+    fleet = FleetReadings()
+    readings = []
+    for t in range(0, 21):
+        replicas = {"a:1": _sample(t, running=1, kv_usage=0.5, preemptions=0)}
+        if t not in unread:
+            replicas["b:1"] = _sample(t, running=2, kv_usage=1.0, preemptions=int(t >= preempted_at))
+        readings.append(fleet.add(replicas, t=float(t)))
+    return readings
+
+
+def test_a_replica_unread_over_a_steps_end_reports_the_steps_preemptions_at_its_next_reading():
+    """Replica b preempts at 9 s, in step 0, but its scrapes fail from 8 s to 12 s: the fleet
+    holds its count at 0 through the step's end, and the step must still count its preemption."""
+    cfg = KvExhaustionConfig(steps=[1, 2], step_s=10)
+    read = kv.measure_step(0, 1, 0, 10, cfg, [], _fleet(set()))
+    assert (read.preemptions, read.counters_late_s) == (1, 0.0)
+    late = kv.measure_step(0, 1, 0, 10, cfg, [], _fleet({8, 9, 10, 11, 12}))
+    assert (late.preemptions, late.counters_late_s) == (1, 3.0)
+    # a replica never read again within the next step cannot say when it preempted: not counted
+    assert kv.measure_step(0, 1, 0, 10, cfg, [], _fleet(set(range(8, 21)))).preemptions == 0
+    # the same gap with every replica read at the end: the next step's preemption stays its own
+    after = _fleet({8, 9}, preempted_at=10.5)
+    assert kv.measure_step(0, 1, 0, 10, cfg, [], after).preemptions == 0
+    assert kv.measure_step(1, 2, 10, 20, cfg, [], after).preemptions == 1
