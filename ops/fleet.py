@@ -145,11 +145,34 @@ def verify_fleet(prometheus: str, selector: str, doc: Any) -> dict[str, Any]:
     from kvops.ops.capacity.verify import compare, observed_from_labels
 
     sel = check_selector(selector)
-    rows = Prometheus(prometheus).query(f"vllm:cache_config_info{sel}")
-    if not rows:
+    prom = Prometheus(prometheus)
+    rows, up = prom.query(f"vllm:cache_config_info{sel}"), prom.by_instance(f"up{sel}")
+    if not rows and not up:
         raise BadInputError(f"Prometheus at {prometheus} has no vllm:cache_config_info matching {sel}: "
                             "check --selector (the job name of your vLLM scrape config)")
     replicas = {labels.get("instance", ""): compare(doc.capacity, observed_from_labels(labels))
                 for labels, _ in rows}
+    errors = prom.scrape_errors() if any(v < 1 for v in up.values()) else {}
+    for instance in up.keys() - replicas.keys():
+        replicas[instance] = _not_compared(instance, up[instance], errors.get(instance, {}))
     return {"match": all(r["match"] for r in replicas.values()), "replicas": dict(sorted(replicas.items()))}
+
+
+def _not_compared(instance: str, up: float, error: dict[str, Any]) -> dict[str, Any]:
+    """A replica Prometheus scrapes (``up``) whose sizing it does not have: its last scrape
+    failed (its series are stale), or it exports no vllm:cache_config_info. Never left out of the
+    comparison unsaid: a fleet with one replica unread has not been shown to match the plan."""
+    row: dict[str, Any] = {"match": False, "compared": False, "up": up, **error}
+    direct = f"compare it directly: `kvops verify --url http://{instance} --expect PLAN`"
+    if up >= 1:
+        row["explanation"] = ("not compared: Prometheus scrapes it but it exports no vllm:cache_config_info "
+                              f"(not a vLLM server, or one too old); {direct}")
+    elif any(word in error.get("last_error", "").lower() for word in _TIMED_OUT):
+        row["explanation"] = (f"not compared: its last scrape timed out ({error['last_error']}), so Prometheus "
+                              f"holds no current sizing for it; an overloaded server does this; {direct}")
+    else:
+        row["explanation"] = ("not compared: Prometheus cannot scrape it"
+                              + (f" ({error['last_error']})" if error.get("last_error") else "")
+                              + f": is it running? (runbooks/startup-kv-oom.md); once it is, {direct}")
+    return row
 

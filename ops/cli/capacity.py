@@ -319,9 +319,12 @@ def _verify_fleet(prometheus: str, selector: str, expect: Path | None, url: str 
     else:
         for instance, row in result["replicas"].items():
             typer.echo(f"{instance}: {row['explanation']}")
-    bad = [i for i, row in result["replicas"].items() if not row["match"]]
-    if bad:
-        raise CheckFailedError(f"replicas differ from the plan: {', '.join(bad)}")
+    unread = [i for i, row in result["replicas"].items() if row.get("compared") is False]
+    bad = [i for i, row in result["replicas"].items() if not row["match"] and i not in unread]
+    if bad or unread:
+        raise CheckFailedError("; ".join(
+            ([f"replicas differ from the plan: {', '.join(bad)}"] if bad else [])
+            + ([f"replicas not compared (no current sizing in Prometheus): {', '.join(unread)}"] if unread else [])))
 
 
 def _read(path: Path | None) -> str:
