@@ -131,6 +131,9 @@ class Want:
     """With ``model=None``: the session's K/V-scaled tiny model (``TinyModels.kv_scaled``), so
     that the fp8 module's servers can start ahead like the others; WORK in ``args`` becomes its
     folder."""
+    files: tuple[tuple[str, str], ...] = ()
+    """(name, text) written into its model's folder by ``Want.on``, before any start: a config
+    file its arguments name as WORK/name lets it start ahead like the others."""
 
     def on(self, models: TinyModels | Path) -> Want:
         """This configuration on ``models`` (a model directory, or the session's tiny models of
@@ -143,6 +146,8 @@ class Want:
             model = models.kv_scaled(self.kv_factor)
         else:
             model = models(**dict(self.shape))
+        for name, text in self.files:
+            (model.parent / name).write_text(text)
         return replace(self, model=model,
                        args=tuple(a.replace(WORK, str(model.parent)) for a in self.args))
 

@@ -12,10 +12,14 @@ import requests
 
 from kvops.ops.launch import ManagedServer
 
-from .conftest import STOCK, Want
+from .conftest import STOCK, WORK, Want
 
 pytestmark = pytest.mark.e2e
-SERVERS = (STOCK,)  # before the first test, or ahead while the modules before run
+EMPTY = "kvops-empty.yaml"
+PLUGIN = Want(None, ("--max-model-len", "2048", "--additional-config",
+                     json.dumps({"kvops": {"config": f"{WORK}/{EMPTY}"}})), files=((EMPTY, "{}\n"),))
+"""The plugin with an empty kvops.yaml (written beside the model, so it starts ahead too)."""
+SERVERS = (PLUGIN, STOCK)  # before the first test, or ahead while the modules before run
 
 PROMPTS = ["the cache holds keys and values", "hello world you are a helpful assistant"]
 BAD = [
@@ -41,10 +45,8 @@ def _kv_line(log: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def kvops_yaml(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("cfg") / "kvops.yaml"
-    path.write_text("{}\n")
-    return path
+def kvops_yaml(tiny_model: Path) -> Path:
+    return PLUGIN.on(tiny_model).model.parent / EMPTY  # type: ignore[union-attr]
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +55,7 @@ def servers(vllm, tiny_model, kvops_yaml) -> tuple[ManagedServer, ManagedServer]
     the bad settings' refusals start beside each other too."""
     vllm.refusals_ahead([(tiny_model, ("--max-model-len", "2048", "--additional-config",
                                        json.dumps({"kvops": settings})), None) for settings, _ in BAD])
-    with_plugin, stock = vllm.many(
-        Want(tiny_model, ("--max-model-len", "2048", "--additional-config",
-                          json.dumps({"kvops": {"config": str(kvops_yaml)}}))),
-        STOCK.on(tiny_model),
-    )
+    with_plugin, stock = vllm.many(PLUGIN.on(tiny_model), STOCK.on(tiny_model))
     return with_plugin, stock
 
 
