@@ -168,7 +168,27 @@ def fleet_sample(replicas: dict[str, MetricsSample], t: float | None = None) -> 
     blocks = [_int(s.cache_config.get("num_gpu_blocks")) for s in replicas.values()]
     if out.cache_config and blocks and all(b is not None and b > 0 for b in blocks):
         out.cache_config["num_gpu_blocks"] = str(sum(b - 1 for b in blocks if b is not None) + 1)
+    free = [free_blocks(s) for s in replicas.values()]
+    if any(f is not None for f in free):
+        out.values[FREE_BLOCKS_MIN] = min(f for f in free if f is not None)
     return out
+
+
+FREE_BLOCKS_MIN = "kv_free_blocks_min"
+"""A fleet reading's fewest free KV blocks in any one replica (its usable blocks times 1 − its
+usage): what the next request routed to the fullest replica must fit in."""
+
+
+def free_blocks(sample: MetricsSample) -> float | None:
+    """Free KV blocks in a reading: a fleet's fewest in any replica, else num_gpu_blocks − 1
+    usable (vLLM's block 0 is its null block, and its usage is over the rest) times 1 − usage.
+    None without both numbers."""
+    if FREE_BLOCKS_MIN in sample.values:
+        return sample.values[FREE_BLOCKS_MIN]
+    blocks = _int(sample.cache_config.get("num_gpu_blocks"))
+    if not blocks or "kv_usage" not in sample.values:
+        return None
+    return round((1.0 - sample.values["kv_usage"]) * (blocks - 1), 6)
 
 
 def is_counter(key: str) -> bool:

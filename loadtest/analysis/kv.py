@@ -2,7 +2,8 @@
 find the knee, and set it beside the capacity the KV cache predicts.
 
 A step is KV-bound when vLLM preempts or holds requests waiting while the cache is (nearly)
-full; sequence-limit-bound when requests wait while ``running`` sits flat at the same ceiling
+full: at kv_usage_bound, or with fewer free blocks than the step's smallest prompt needs (a
+small pool is full at 80%: 3 free blocks of 15 admit no 4-block prompt); sequence-limit-bound when requests wait while ``running`` sits flat at the same ceiling
 with KV to spare; compute-bound when they wait with neither limit reached (token budget or
 plain compute); failing when requests error.
 """
@@ -17,6 +18,7 @@ from typing import Any
 from kvops.core.errors import BadInputError
 from kvops.core.plan import PLAN_COMMANDS, Expectation, KvGroup, read_expectation
 from kvops.core.prom import MetricsSample, cache_int, delta, window
+from kvops.core.promql import free_blocks
 from kvops.core.stats import mean, percentile
 from kvops.core.verdict import Verdict
 from kvops.loadtest.analysis.ramp import next_run
@@ -49,6 +51,10 @@ class StepResult:
     classification: str = OK
     max_num_seqs: float | None = None
     """The server's --max-num-seqs from the kvops plugin's gauge; None on a server without it."""
+    kv_free_blocks_min: float | None = None
+    """The fewest free KV blocks in the step's readings (a fleet's: in its fullest replica)."""
+    prompt_blocks_min: int | None = None
+    """Blocks the step's smallest prompt needs: a waiting request cannot be admitted in fewer."""
     counters_late_s: float = 0.0
     """How far past the step's end its counters were read: a replica whose scrape failed over
     the end reports what it counted in the step only at its next reading (_counter_edge)."""
@@ -67,6 +73,9 @@ def measure_step(index: int, users: int, start: float, end: float, config: KvExh
     in_step = window(samples, settled, end) or window(samples, start, end)
     edge = _counter_edge(samples, start, end)
     ttfts = [r.ttft_s for r in sent if r.ttft_s is not None]
+    frees = [f for f in map(free_blocks, in_step) if f is not None]
+    size = next((b for b in (cache_int(s, "block_size") for s in reversed(samples)) if b), None)
+    prompts = [r.prompt_tokens for r in sent if r.prompt_tokens]
     return StepResult(
         index=index, users=users, start=start, end=end, requests=len(sent),
         errors=sum(1 for r in sent if not r.ok and not r.stopped),
@@ -79,6 +88,8 @@ def measure_step(index: int, users: int, start: float, end: float, config: KvExh
         preemptions=delta(edge[0], edge[-1], "preemptions") if len(edge) >= 2 else 0.0,
         max_num_seqs=next((s.values[SCHED_MAX_SEQS] for s in reversed(edge or samples)
                            if SCHED_MAX_SEQS in s.values), None),
+        kv_free_blocks_min=min(frees) if frees else None,
+        prompt_blocks_min=math.ceil(min(prompts) / size) if prompts and size else None,
         counters_late_s=round(max(0.0, edge[-1].t - end), 3) if edge else 0.0,
     )
 
@@ -102,7 +113,7 @@ def classify(step: StepResult, previous: StepResult | None, config: KvExhaustion
     if step.requests and step.errors >= 2 and step.errors / step.requests > config.error_rate_failing:
         return FAILING
     queued = step.waiting_fraction >= QUEUED_FRACTION
-    if step.preemptions > 0 or (queued and step.kv_usage_max >= config.kv_usage_bound):
+    if step.preemptions > 0 or (queued and kv_full(step, config)):
         return KV_BOUND
     if queued:
         if step.max_num_seqs:
@@ -112,6 +123,17 @@ def classify(step: StepResult, previous: StepResult | None, config: KvExhaustion
         plateau = previous is not None and previous.running_max >= step.running_max
         return SEQ_BOUND if plateau else COMPUTE_BOUND
     return OK
+
+
+def kv_full(step: StepResult, config: KvExhaustionConfig) -> bool:
+    """The cache admits no waiting request: usage at kv_usage_bound, or fewer free blocks than the
+    step's smallest prompt needs (vLLM's scheduler allocates a new request's prompt blocks before
+    running it; a shared prefix would need fewer, so this reads the pool as fuller than it is
+    only for prompts that share one)."""
+    if step.kv_usage_max >= config.kv_usage_bound:
+        return True
+    free, need = step.kv_free_blocks_min, step.prompt_blocks_min
+    return free is not None and need is not None and free < need
 
 
 def predicted_concurrency(sample: MetricsSample | None, tokens_per_request: float) -> dict[str, Any]:
@@ -210,6 +232,8 @@ def analyse(config: KvExhaustionConfig, records: list[RequestRecord], samples: l
     })
     if knee.max_num_seqs is not None:
         evidence["server_max_num_seqs"] = int(knee.max_num_seqs)
+    if knee.kv_free_blocks_min is not None and knee.prompt_blocks_min is not None:
+        evidence.update(kv_free_blocks_min=knee.kv_free_blocks_min, prompt_blocks_min=knee.prompt_blocks_min)
     if knee.counters_late_s:
         evidence["counters_late_s"] = knee.counters_late_s  # a replica's scrapes failed over its end
     if "predicted_max_concurrency" in plan:

@@ -237,3 +237,25 @@ def test_a_replica_unread_over_a_steps_end_reports_the_steps_preemptions_at_its_
     after = _fleet({8, 9}, preempted_at=10.5)
     assert kv.measure_step(0, 1, 0, 10, cfg, [], after).preemptions == 0
     assert kv.measure_step(1, 2, 10, 20, cfg, [], after).preemptions == 1
+
+
+def test_a_small_pool_is_full_when_the_next_prompt_does_not_fit():
+    """Two staging replicas of 15 usable 128-token blocks, 409-token prompts (4 blocks): at 80%
+    usage 3 blocks are free and no waiting request can be admitted, so a queued step is KV-bound
+    though usage stays under kv_usage_bound (CI read such a step as compute-bound)."""
+    cfg = KvExhaustionConfig(steps=[8], step_s=10)
+    replica = {"num_gpu_blocks": "16", "block_size": "128"}
+    fleet = FleetReadings()
+    samples = [fleet.add({"a:1": MetricsSample(t, {"kv_usage": 0.8, "waiting": 3, "running": 3}, dict(replica)),
+                          "b:1": MetricsSample(t, {"kv_usage": 0.4, "waiting": 0, "running": 2}, dict(replica))},
+                         t=float(t)) for t in range(0, 11)]
+    assert samples[-1].values["kv_free_blocks_min"] == 3.0  # the fullest replica's, not the fleet's 12
+    records = [_rec(t, group=None, prompt_tokens=409) for t in (1.0, 2.0, 3.0)]
+    step = kv.measure_step(0, 8, 0, 10, cfg, records, samples)
+    assert (step.kv_free_blocks_min, step.prompt_blocks_min) == (3.0, 4)
+    assert kv.classify(step, None, cfg) == kv.KV_BOUND
+    short = kv.measure_step(0, 8, 0, 10, cfg, [_rec(t, group=None, prompt_tokens=300) for t in (1.0, 2.0)], samples)
+    assert kv.classify(short, None, cfg) == kv.COMPUTE_BOUND  # 3 blocks hold a 300-token prompt
+    # one server: usage over its num_gpu_blocks - 1 usable blocks
+    one = [MetricsSample(t, {"kv_usage": 0.8, "waiting": 2, "running": 3}, dict(replica)) for t in range(0, 11)]
+    assert kv.classify(kv.measure_step(0, 8, 0, 10, cfg, records, one), None, cfg) == kv.KV_BOUND
