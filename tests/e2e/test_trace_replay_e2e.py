@@ -62,11 +62,12 @@ def replay(tmp_path: Path, server: ManagedServer, text: str = SCENARIO) -> dict:
 
 
 def test_replay_matches_the_prediction_and_offload_raises_it(vllm, tiny_model, trace_lmcache, tmp_path):
-    plain, offload = vllm.many(  # started side by side: one start's time
-        Want(tiny_model, SERVER_ARGS, kv_cache_bytes=GPU_BLOCKS * BLOCK_BYTES),
-        Want(tiny_model, (*SERVER_ARGS, "--additional-config", trace_lmcache.vllm_settings()),
-             kv_cache_bytes=GPU_BLOCKS * BLOCK_BYTES))
-    without = replay(tmp_path, plain)
+    offloading = Want(tiny_model, (*SERVER_ARGS, "--additional-config", trace_lmcache.vllm_settings()),
+                      kv_cache_bytes=GPU_BLOCKS * BLOCK_BYTES)
+    plain = vllm(tiny_model, *SERVER_ARGS, kv_cache_bytes=GPU_BLOCKS * BLOCK_BYTES)  # started ahead
+    vllm.announce(offloading)  # it needs this module's LMCache: it starts ahead while the plain
+    without = replay(tmp_path, plain)  # server replays (hit ratios are counts: no timing read)
+    [offload] = vllm.many(offloading)
     with_offload = replay(tmp_path, offload)
 
     for result in (without, with_offload):
