@@ -257,6 +257,15 @@ DECISIONS: tuple[tuple[str, str], ...] = (
 )
 
 
+def publish_decisions() -> None:
+    """Every DECISIONS series at 0, from the API server's start (wiring.install_in_api_server,
+    after the model name is bound): published only on the first request, a replica too busy to
+    answer its scrapes under load had no two samples of them, and the rejected/total rate stayed
+    empty for the whole incident (staging fleet, CI of 2026-12-04)."""
+    for decision, reason in DECISIONS:
+        _decisions().labels(decision=decision, reason=reason)  # the series, at 0
+
+
 def _decisions() -> Any:
     return metrics.counter(
         "kvops_admission_decisions", "Front-door admission decisions", ("decision", "reason")
@@ -287,8 +296,7 @@ def settings_labels(settings: AdmissionSettings) -> dict[str, str]:
 
 def _publish_settings(settings: AdmissionSettings, budget: KVBudget) -> None:
     labels = settings_labels(settings)
-    for decision, reason in DECISIONS:
-        _decisions().labels(decision=decision, reason=reason)  # the series, at 0
+    publish_decisions()
     metrics.gauge(
         "kvops_admission_settings_info", "KV admission settings in use (value is always 1)",
         tuple(labels),

@@ -229,4 +229,5 @@ def install_in_api_server(vllm_config: Any, settings: AdmissionSettings | None) 
     from kvops.plugin.admission import http as admission_http
 
     admission_http.install(settings)
+    admission_http.publish_decisions()
     install_front_door_hooks()

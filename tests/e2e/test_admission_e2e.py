@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from kvops.core.prom import samples_by_name
 from kvops.ops.bench.admission_leak import leak_check
 from kvops.ops.bench.admission_load import Outcome, open_loop, scrape_counter
 
@@ -58,6 +59,12 @@ def test_overload_with_admission_preempts_nothing_and_answers_everyone(vllm, kvo
     # set it although the command line did not.
     assert "Using custom scheduler class kvops.plugin.admission.KVBudgetScheduler" in vllm.log_of(kvops_server)
     url = kvops_server.url
+    # every decision's series is on /metrics at 0 from the start, before any request: published
+    # on the first request, a replica too busy to be scraped under load had none to rate()
+    untouched = samples_by_name(requests.get(url + "/metrics", timeout=30).text)["kvops_admission_decisions_total"]
+    assert {(labels["decision"], labels["reason"]) for labels, _ in untouched} >= {
+        ("admitted", "ok"), ("rejected", "queued_requests"), ("rejected", "never_fits")}, untouched
+    assert {value for _, value in untouched} == {0.0}, untouched
     before = scrape_counter(url, "vllm:num_preemptions_total")
     outcomes = _overload(url, tiny_model)
     preemptions = scrape_counter(url, "vllm:num_preemptions_total") - before
