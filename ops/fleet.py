@@ -85,12 +85,18 @@ def diagnose_fleet(prometheus: str, selector: str = DEFAULT_SELECTOR,
 _TIMED_OUT = ("deadline exceeded", "timeout", "timed out")
 
 
+def _timed_out(error: dict[str, Any]) -> bool:
+    """Prometheus' last scrape error says the target took the connection and did not answer
+    within scrape_timeout (alive and overloaded, most often), not that it refused it."""
+    return any(word in error.get("last_error", "").lower() for word in _TIMED_OUT)
+
+
 def _unscraped(instance: str, error: dict[str, Any]) -> Verdict:
     """A replica whose last scrape failed. Prometheus' error tells a server that took the
     connection and did not answer within scrape_timeout (alive and overloaded, most often: under
     KV load a CPU server here missed its 1 s scrapes) from one that refused it (down)."""
     evidence: dict[str, Any] = {"instance": instance, "up": 0, **error}
-    if any(word in error.get("last_error", "").lower() for word in _TIMED_OUT):
+    if _timed_out(error):
         return Verdict(
             "inconclusive", "scrape-timeout", evidence,
             f"the replica took Prometheus' scrape and did not answer /metrics within "
@@ -167,7 +173,7 @@ def _not_compared(instance: str, up: float, error: dict[str, Any]) -> dict[str, 
     if up >= 1:
         row["explanation"] = ("not compared: Prometheus scrapes it but it exports no vllm:cache_config_info "
                               f"(not a vLLM server, or one too old); {direct}")
-    elif any(word in error.get("last_error", "").lower() for word in _TIMED_OUT):
+    elif _timed_out(error):
         row["explanation"] = (f"not compared: its last scrape timed out ({error['last_error']}), so Prometheus "
                               f"holds no current sizing for it; an overloaded server does this; {direct}")
     else:

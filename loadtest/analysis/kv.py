@@ -3,9 +3,10 @@ find the knee, and set it beside the capacity the KV cache predicts.
 
 A step is KV-bound when vLLM preempts or holds requests waiting while the cache is (nearly)
 full: at kv_usage_bound, or with fewer free blocks than the step's smallest prompt needs (a
-small pool is full at 80%: 3 free blocks of 15 admit no 4-block prompt); sequence-limit-bound when requests wait while ``running`` sits flat at the same ceiling
-with KV to spare; compute-bound when they wait with neither limit reached (token budget or
-plain compute); failing when requests error.
+small pool is full at 80%: 3 free blocks of 15 admit no 4-block prompt); sequence-limit-bound
+when requests wait while ``running`` sits flat at the same ceiling with KV to spare;
+compute-bound when they wait with neither limit reached (token budget or plain compute);
+failing when requests error.
 """
 
 from __future__ import annotations
