@@ -61,11 +61,13 @@ CUDA_GRAPH_MAX_CAPTURE: Final = 512
 
 
 # Device totals as CUDA reports them (torch.cuda.mem_get_info), in GiB — not marketing GB.
-# Sources: ../shared/research/planner.md §3.5.
+# Sources: ../shared/research/planner.md §3.5; H200: read on an H200 of the device tool
+# (driver 580.159.04, CUDA 13.0, 2026-12-04): 150,109,880,320 bytes. The 139.81 GiB from
+# planner.md was 9.5 MiB above it: at utilization 0.92, four 2 MiB blocks (Llama-3-8B) too many.
 GPU_CATALOG_GIB: Final[dict[str, float]] = {
     "H100": 79.19,
     "H100-80GB": 79.19,
-    "H200": 139.81,
+    "H200": 150_109_880_320 / GIB,
     "B200": 178.36,
     "A100-80GB": 79.15,
     "A100": 79.15,

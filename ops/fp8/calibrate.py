@@ -224,7 +224,13 @@ def _layer_scales(stat: dict[str, float], sample: dict[str, Any], req: Calibrati
 
 def quantization_error(values: Any, scale: float, dtype: str) -> float | None:
     """Relative RMS error of ``values`` stored as fp8(x / scale) × scale, saturating at the
-    format's max like vLLM's kernels (clamped, not inf)."""
+    format's max like vLLM's kernels (clamped, not inf).
+
+    On an H200 (device tool, 2026-12-04) this clamp and torch cast wrote the same bytes as
+    ``__nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, …)``, the conversion of vLLM's CUDA cache
+    kernels, for all of 25 M bf16 values: e4m3 and e5m2, calibrated scales and 1.0, magnitudes
+    from 1e-3 to 3000, with exact and fast division. So the errors ``kvops calibrate`` reports
+    hold for a CUDA server's fp8 cache too."""
     if values is None or values.numel() == 0:
         return None
     import torch

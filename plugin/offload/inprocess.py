@@ -11,13 +11,24 @@ timeout (research/lmcache.md §3; measured ~3.05 s per request, ``num_cached_tok
 The in-process path (``lmcache_mode: in_process``) hands LMCache its configuration through
 ``LMCACHE_*`` environment variables, which vLLM's engine and worker processes inherit from the
 front end (``lmcache/integration/vllm/utils.py::lmcache_get_or_create_config`` reads them with
-``LMCacheEngineConfig.from_env`` when ``LMCACHE_CONFIG_FILE`` is unset). THE GPU PATH IS
-UNEXERCISED HERE: this machine has no GPU; only the mapping (checked against LMCache's own
-loader) and the refusal on CPU are tested.
+``LMCacheEngineConfig.from_env`` when ``LMCACHE_CONFIG_FILE`` is unset). CI has no GPU: only
+the mapping (checked against LMCache's own loader) and the refusals are tested there.
+
+Run once on an H200 (the device tool, 2026-12-04, without vLLM, which does not fit that
+machine): LMCache 0.5.6's engine, configured from ``lmcache_env`` of these settings with the
+CUDA paged connector it picks for vLLM, stored and loaded back a 2,048-token prefix of
+Llama-3-8B's KV shape bit for bit, from L1 and from disk. Its compiled kernels
+(``lmcache.cuda_ops``, linked against torch 2.13, vLLM 0.32's) did not load under that machine's
+torch 2.11 ("undefined symbol"); LMCache then logged one warning and copied with torch at 3.8 GB/s
+(store) and 2.1 GB/s (load) against 55 GB/s for a pinned memcpy: 128 ms to load the prefix, which
+transformers' own (slower than vLLM's) forward on random weights of that shape recomputes in 60 ms
+there. A hit would cost twice a miss, so that state is refused (``kernels_problem``).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 from typing import Any
 
 from kvops.core.errors import KvopsPluginError
@@ -53,6 +64,35 @@ def unsupported_reason(device_type: str) -> str:
         "use the multi-process mode instead: "
         "--kv-transfer-config '{\"kv_connector\":\"KVOpsOffloadConnector\",\"kv_role\":\"kv_both\"}' "
         "with the kvops offload section (lmcache_mode: server) and `kvops offload serve`"
+    )
+
+
+KERNELS_MODULE = "lmcache.cuda_ops"
+
+
+def kernels_problem() -> str | None:
+    """Why LMCache's compiled CUDA kernels do not load in this environment (the first line of the
+    import error), or None when they do. LMCache itself only warns and falls back to torch copies
+    (lmcache/v1/platform/devices/cuda/device_ops.py ``ensure_native``)."""
+    try:
+        importlib.import_module(KERNELS_MODULE)
+    except (ImportError, OSError) as exc:
+        return (str(exc).splitlines() or [type(exc).__name__])[0][:240]
+    return None
+
+
+def kernels_reason(problem: str) -> str:
+    """The one line for an in-process LMCache whose compiled kernels do not load."""
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return (
+        f"LMCache's compiled CUDA kernels ({KERNELS_MODULE}) do not load with torch "
+        f"{torch_version} ({problem}): LMCache would fall back to torch copies, slower than "
+        "recomputing the prefix (measured on an H200: 128 ms to load a 2,048-token Llama-3-8B "
+        "prefix that a forward pass recomputes in 60 ms); install the torch vLLM 0.32 pins (2.13), which "
+        "LMCache 0.5.6 is built against, or build LMCache from source for yours"
     )
 
 

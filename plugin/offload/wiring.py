@@ -23,6 +23,8 @@ from kvops.plugin.offload import CONNECTOR_NAME
 from kvops.plugin.offload.inprocess import (
     IN_PROCESS_CONNECTOR,
     apply_lmcache_env,
+    kernels_problem,
+    kernels_reason,
     names_in_process_connector,
     unsupported_reason,
 )
@@ -53,7 +55,7 @@ def ensure_connector(
     device = device_type or _device_type()
     in_process_on_cpu = device == "cpu" and names_in_process_connector(transfer)
     if settings is None:
-        if in_process_on_cpu:
+        if names_in_process_connector(transfer) and os.environ.get(IN_PROCESS_WARNED_ENV) != "1":
             # Without a kvops offload section the operator has not asked kvops to manage
             # offload, and the plugin changes nothing unasked (it is loaded into every vLLM
             # process): so no refusal, but one loud line instead of LMCache's silent degradation.
@@ -61,15 +63,17 @@ def ensure_connector(
             # the marker keeps it to one line per server.
             # The front end builds the config first: it logs the line and sets the gauge its
             # /metrics serves (the issue: no degraded mode without a loud error AND a metric).
-            if os.environ.get(IN_PROCESS_WARNED_ENV) != "1":
-                logger.warning("kvops: %s", unsupported_reason(device))
+            reason = _unasked_degradation(device)
+            if reason is not None:
+                logger.warning("kvops: %s", reason)
                 os.environ[IN_PROCESS_WARNED_ENV] = "1"
                 from kvops.plugin.metrics import gauge
 
                 gauge(
                     "kvops_offload_in_process_degraded",
-                    "1 when vLLM's in-process LMCache connector runs where LMCache has no KV "
-                    "connector for the device (no caching; see the kvops warning in the log)",
+                    "1 when vLLM's in-process LMCache connector runs degraded: LMCache has no KV "
+                    "connector for the device (no caching) or its compiled CUDA kernels do not "
+                    "load (torch copies); see the kvops warning in the log",
                 ).set(1)
             return
         if transfer is not None and transfer.kv_connector == CONNECTOR_NAME:
@@ -106,6 +110,17 @@ def ensure_connector(
             f"kvops.offload is set but --kv-transfer-config uses {transfer.kv_connector!r}: use "
             f'"kv_connector":"{CONNECTOR_NAME}" or drop the offload section'
         )
+
+
+def _unasked_degradation(device: str) -> str | None:
+    """Why vLLM's in-process LMCache connector, configured without kvops, runs degraded on this
+    device, or None."""
+    if device == "cpu":
+        return unsupported_reason(device)
+    if device == "cuda":
+        problem = kernels_problem()
+        return None if problem is None else kernels_reason(problem)
+    return None
 
 
 def configure(vllm_config: Any, settings: OffloadSettings) -> None:
@@ -183,8 +198,11 @@ def _clean_stale_segments() -> None:
 
 
 def configure_in_process(vllm_config: Any, settings: OffloadSettings) -> None:
-    """LMCacheConnectorV1 (CUDA; unexercised on this CPU-only project machine): the same disk
-    preflight, then LMCache's sizes as LMCACHE_* variables the engine processes inherit."""
+    """LMCacheConnectorV1 (CUDA): LMCache's compiled kernels must load, the same disk preflight,
+    then LMCache's sizes as LMCACHE_* variables the engine processes inherit."""
+    problem = kernels_problem()
+    if problem is not None:
+        raise KvopsPluginError(kernels_reason(problem))
     if settings.disk_path is not None:
         check_disk_dir(settings.disk_path, settings.disk_gib)
     apply_lmcache_env(os.environ, settings)

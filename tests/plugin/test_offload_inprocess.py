@@ -1,11 +1,14 @@
 """The in-process LMCache path: the LMCACHE_* mapping read back by LMCache's own config loader,
 and the refusal/warning for LMCacheConnectorV1 on real vLLM KVTransferConfig objects.
 
-The CUDA path itself cannot run here (no GPU); only its configuration is checked.
+The CUDA path itself cannot run here (no GPU); only its configuration is checked, and the
+refusal when LMCache's compiled CUDA kernels do not load (they never load here: the import fails
+for real, on the missing libc10_cuda.so).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 from types import SimpleNamespace
@@ -16,9 +19,10 @@ from vllm.config import KVTransferConfig
 
 from kvops.core.errors import KvopsPluginError
 from kvops.core.offload.settings import OffloadSettings
-from kvops.plugin.offload import CONNECTOR_NAME
+from kvops.plugin.offload import CONNECTOR_NAME, wiring
 from kvops.plugin.offload.inprocess import (
     apply_lmcache_env,
+    kernels_problem,
     lmcache_env,
     names_in_process_connector,
 )
@@ -129,6 +133,9 @@ def test_in_process_mode_on_cuda_picks_lmcache_connector_v1():
 
 
 def test_in_process_configure_runs_the_disk_preflight_and_exports_the_sizes(monkeypatch, tmp_path):
+    # Stand-in: LMCache's kernels loading, which cannot happen on this CPU-only machine (they were
+    # seen to work with the engine on an H200 once: kvops.plugin.offload.inprocess docstring).
+    monkeypatch.setattr(wiring, "kernels_problem", lambda: None)
     settings = OffloadSettings(lmcache_mode="in_process", disk_path=str(tmp_path), disk_gib=0.01)
     _forget_env_after_test(monkeypatch, list(lmcache_env(settings)))
     monkeypatch.delenv("LMCACHE_CONFIG_FILE", raising=False)
@@ -140,3 +147,37 @@ def test_in_process_configure_runs_the_disk_preflight_and_exports_the_sizes(monk
     unwritable = OffloadSettings(lmcache_mode="in_process", disk_path="/proc/kvops-x", disk_gib=0.01)
     with pytest.raises(KvopsPluginError, match="is not writable"):
         configure(config, unwritable)
+
+
+def test_in_process_refuses_when_lmcache_kernels_do_not_load_and_exports_nothing(monkeypatch, tmp_path):
+    problem = kernels_problem()  # the real import of lmcache.cuda_ops, failing here
+    assert problem is not None
+    assert "libc10_cuda" in problem
+    settings = OffloadSettings(lmcache_mode="in_process", disk_path=str(tmp_path), disk_gib=0.01)
+    _forget_env_after_test(monkeypatch, list(lmcache_env(settings)))
+    monkeypatch.delenv("LMCACHE_CONFIG_FILE", raising=False)
+    transfer = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+    config = SimpleNamespace(kv_transfer_config=transfer, cache_config=SimpleNamespace(block_size=16))
+    with pytest.raises(KvopsPluginError) as info:
+        configure(config, settings)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "lmcache.cuda_ops" in message
+    assert "libc10_cuda" in message
+    assert f"torch {importlib.metadata.version('torch')} (" in message  # the installed one
+    assert not any(key in os.environ for key in lmcache_env(settings))
+    assert transfer.kv_load_failure_policy != "recompute"
+
+
+def test_cuda_without_an_offload_section_warns_when_lmcache_kernels_do_not_load(caplog, monkeypatch):
+    _forget_env_after_test(monkeypatch, [IN_PROCESS_WARNED_ENV])
+    transfer = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+    config = SimpleNamespace(kv_transfer_config=transfer)
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.kvops.offload"):
+        ensure_connector(config, None, "cuda")
+        ensure_connector(config, None, "cuda")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "lmcache.cuda_ops" in warnings[0]
+    assert "torch copies" in warnings[0]
+    assert config.kv_transfer_config is transfer
