@@ -14,15 +14,15 @@ front end (``lmcache/integration/vllm/utils.py::lmcache_get_or_create_config`` r
 ``LMCacheEngineConfig.from_env`` when ``LMCACHE_CONFIG_FILE`` is unset). CI has no GPU: only
 the mapping (checked against LMCache's own loader) and the refusals are tested there.
 
-Run once on an H200 (the device tool, 2026-12-04, without vLLM, which does not fit that
-machine): LMCache 0.5.6's engine, configured from ``lmcache_env`` of these settings with the
-CUDA paged connector it picks for vLLM, stored and loaded back a 2,048-token prefix of
-Llama-3-8B's KV shape bit for bit, from L1 and from disk. Its compiled kernels
-(``lmcache.cuda_ops``, linked against torch 2.13, vLLM 0.32's) did not load under that machine's
-torch 2.11 ("undefined symbol"); LMCache then logged one warning and copied with torch at 3.8 GB/s
-(store) and 2.1 GB/s (load) against 55 GB/s for a pinned memcpy: 128 ms to load the prefix, which
-transformers' own (slower than vLLM's) forward on random weights of that shape recomputes in 60 ms
-there. A hit would cost twice a miss, so that state is refused (``kernels_problem``).
+Run on an H200 (the device tool, 2026-12-04, without vLLM, which does not fit that machine):
+LMCache 0.5.6's engine, configured from ``lmcache_env`` of these settings with the CUDA paged
+connector it picks for vLLM, stored and loaded back a 2,048-token prefix of Llama-3-8B's KV shape
+bit for bit, from L1 and from disk. Its compiled kernels (``lmcache.cuda_ops``) did not load
+under that machine's torch 2.11: "undefined symbol", one that torch 2.13 (vLLM 0.32's) has;
+LMCache then logged one warning and copied with torch: 3.8-4.9 GB/s to store, 2.1 GB/s to load
+(two runs), against 55 GB/s for a pinned memcpy. Loading the prefix took 128 ms; transformers'
+own forward (slower than vLLM's) recomputes it in 60 ms there. A hit would cost twice a miss,
+so that state is refused (``kernels_problem``).
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def kernels_reason(problem: str) -> str:
         f"LMCache's compiled CUDA kernels ({KERNELS_MODULE}) do not load with torch "
         f"{torch_version} ({problem}): LMCache would fall back to torch copies, slower than "
         "recomputing the prefix (measured on an H200: 128 ms to load a 2,048-token Llama-3-8B "
-        "prefix that a forward pass recomputes in 60 ms); install the torch vLLM 0.32 pins (2.13), which "
-        "LMCache 0.5.6 is built against, or build LMCache from source for yours"
+        "prefix that a forward pass recomputes in 60 ms); install the torch vLLM 0.32 pins (2.13) "
+        "or build LMCache from source against yours"
     )
 
 
