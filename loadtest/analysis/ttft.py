@@ -47,6 +47,13 @@ def pooled_mean(rows: Sequence[Interval]) -> float | None:
     return sum(s for s, _ in rows) / count if count else None
 
 
+def answer_s(record: RequestRecord) -> float | None:
+    """When the server first answered the request (its response headers, first token or end,
+    whichever came first and was recorded)."""
+    times = [t for t in (record.headers_s, record.ttft_s, record.e2e_s) if t is not None]
+    return min(times, default=None)
+
+
 def client_samples(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
     ok = [r for r in records if r.ok]
     # a request the run's end cut off after its first token measured its TTFT and its ITLs as
@@ -54,8 +61,14 @@ def client_samples(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
     # the end, and without them the comparison had no sample and said "healthy"
     seen = [r for r in records if r.ok or r.stopped]
     # a request still waiting for its first token when the run ended is the worst case of an
-    # overload, not a missing value: its time in flight is a lower bound of its TTFT
-    censored = [r.e2e_s for r in records if r.stopped and r.ttft_s is None and r.e2e_s]
+    # overload, not a missing value: its time in flight is a lower bound of its TTFT. Not when it
+    # was cut off sooner than the server answered any request of the run: that bound says
+    # nothing (CI: in a run whose every prompt was refused in 22 ms, one request sent at the
+    # end was stopped 2 ms later, and its 2 ms made the run a healthy baseline)
+    answers = [t for t in (answer_s(r) for r in records if not r.stopped) if t is not None]
+    floor = min(answers, default=0.0)
+    censored = [r.e2e_s for r in records
+                if r.stopped and r.ttft_s is None and r.e2e_s and r.e2e_s >= floor]
     return {
         "ttft_s": [r.ttft_s for r in seen if r.ttft_s is not None] + censored,
         "itl_mean_s": [sum(r.itl_s) / len(r.itl_s) for r in seen if r.itl_s],

@@ -151,6 +151,25 @@ def test_requests_without_a_first_token_at_the_end_count_with_their_wait():
     assert sorted(samples["ttft_s"]) == [0.2, 7.0]
 
 
+def test_a_request_cut_off_before_any_answer_of_the_run_is_no_ttft():
+    # CI's all-refused run: prompts over max-model-len, each refused in 22 ms; the last one was
+    # sent as the run ended and stopped 1.7 ms later. Its 1.7 ms made the run "healthy"
+    refused = [RequestRecord(request_id=f"r{i}", kind="completions", sent_at=float(i),
+                             headers_s=0.022, e2e_s=0.022, status=400, error="HTTP 400")
+               for i in range(11)]
+    cut = RequestRecord(request_id="cut", kind="completions", sent_at=11.0, e2e_s=0.0017,
+                        stopped=True)
+    samples = ttft.client_samples([*refused, cut])
+    assert samples["ttft_s"] == []
+    alone = ttft.no_baseline(_summary(samples["ttft_s"]), TtftRegressionConfig().late_s)
+    assert (alone.problem, alone.cause) == ("inconclusive", "no-samples")
+    # waiting longer than the refusals took still counts: the server had answered others by then
+    waited = RequestRecord(request_id="w", kind="completions", sent_at=11.0, e2e_s=3.0, stopped=True)
+    assert ttft.client_samples([*refused, waited])["ttft_s"] == [3.0]
+    # and with no answer at all in the run (every request still waiting) every wait counts
+    assert ttft.client_samples([cut, waited])["ttft_s"] == [0.0017, 3.0]
+
+
 def test_requests_cut_off_after_their_first_token_count_with_their_ttft_and_itls():
     # 16x load, 12 s: every request was still decoding when the run ended (measured; the
     # comparison had no sample and said healthy)
