@@ -61,6 +61,12 @@ STOCK_ENV = (("VLLM_PLUGINS", "none"),)
 """The configurations most e2e tests share (1 GiB of KV, no env, or the plugin-free STOCK
 server the offload and plugin modules compare with): evicted last."""
 REFUSING_AT_ONCE = 3
+REFUSING_BESIDE = 1
+"""Refusals ``VllmServers.refuse_beside`` runs at a time, at nice 19, beside the unit tests: an
+import is one core's work, and they leave about one idle."""
+BESIDE_TIMEOUT_S = 1800.0
+"""How long a refusal started beside other work may take before a test claims it (then the
+test's own timeout counts from its claim): at nice 19 beside a busy module it may get no CPU."""
 START_AT_ONCE = 2
 """Servers ``VllmServers.many`` starts at a time, one per core. Measured here: two side by side
 ready in 47 s each (one alone: 40 s); four at once in 116 s each, slower than two pairs."""
@@ -86,6 +92,10 @@ FOREGROUND: list[tuple[str, str, float]] = []
 """Servers a test waited for from their start: the test, the arguments, seconds to ready."""
 
 pytestmark = pytest.mark.e2e
+
+
+RefusalStart = tuple[Path, tuple[str, ...], dict[str, str] | None]
+"""A server that must refuse to start: its model, arguments and environment."""
 
 
 def _refusal_key(model: Path, args: tuple[str, ...], env: dict[str, str] | None) -> tuple[object, ...]:
@@ -196,6 +206,12 @@ class VllmServers:
         self._count = 0
         self._lock = threading.Lock()
         self._refused: dict[tuple[object, ...], tuple[int | None, str]] = {}
+        self._beside: dict[tuple[object, ...], tuple[ManagedServer, Future[tuple[int | None, str]]]] = {}
+        """Refusals started by ``refuse_beside`` that no test has claimed yet."""
+        self._claimed: set[tuple[object, ...]] = set()
+        self._refuser: ThreadPoolExecutor | None = None
+        self._not_quiet = threading.Event()
+        self._not_quiet.set()
         self._ahead: dict[tuple[object, ...], tuple[Want, ManagedServer, Future[float]]] = {}
         self._waiter = ThreadPoolExecutor(AHEAD_AT_ONCE, thread_name_prefix="vllm-ahead")
         self.used: set[tuple[object, ...]] = set()
@@ -292,12 +308,16 @@ class VllmServers:
         latency: even at nice 19 a start beside it took cache, memory bandwidth and every
         idle moment of the two cores, and a 16x load read +18% TTFT, named "healthy". Their
         ready waits do not count the seconds held."""
-        held = [server for _, server in self._under_way()]
+        with self._lock:  # a refusal started beside waits for the end (``_refuse_beside``)
+            self._not_quiet.clear()
+            held = [server for _, server in self._under_way()]
+            held += [server for server, outcome in self._beside.values() if outcome.running()]
         for server in held:
             server.pause()
         try:
             yield
         finally:
+            self._not_quiet.set()
             for server in held:
                 server.resume()
 
@@ -322,7 +342,8 @@ class VllmServers:
 
     def _ports(self) -> set[int]:
         """Ports promised to servers starting ahead (one may not have bound its port yet)."""
-        return {server.port for _, server, _ in self._ahead.values()}
+        return ({server.port for _, server, _ in self._ahead.values()}
+                | {server.port for server, _ in self._beside.values()})
 
     def _claim(self, want: Want) -> None:
         """Move a server started ahead into the pool once it is ready (waiting for it if need
@@ -389,12 +410,13 @@ class VllmServers:
         return vllm_server(want.model, want.args, kv_cache_bytes=want.kv_cache_bytes, env=want.env,
                            port=port, log_path=self.log_dir / f"vllm-{count}.log", name=f"vllm-{count}")
 
-    def refusals_ahead(self, starts: list[tuple[Path, tuple[str, ...], dict[str, str] | None]]) -> None:
-        """Start these servers that must refuse to start, REFUSING_AT_ONCE at a time, now;
-        ``start_expecting_failure`` with the same arguments then returns the recorded outcome.
+    def refusals_ahead(self, starts: list[RefusalStart]) -> None:
+        """Start these servers that must refuse to start, REFUSING_AT_ONCE at a time, now (but
+        those ``refuse_beside`` began); ``start_expecting_failure`` with the same arguments then
+        returns the recorded outcome.
         A refusal is the API server's start-up only (no engine busy-polls): three at once
         share the two cores without starving anything, in half the time of one after another."""
-        def one(start: tuple[Path, tuple[str, ...], dict[str, str] | None]) -> None:
+        def one(start: RefusalStart) -> None:
             model, args, env = start
             try:
                 outcome = self._refuse(model, args, env, 180)
@@ -402,25 +424,80 @@ class VllmServers:
                 outcome = (0, str(exc))
             self._refused[_refusal_key(model, args, env)] = outcome
 
+        todo = [s for s in starts if not self._under_way_beside(_refusal_key(*s))]
         with ThreadPoolExecutor(REFUSING_AT_ONCE) as pool:
-            list(pool.map(one, starts))
+            list(pool.map(one, todo))
+
+    def refuse_beside(self, starts: list[RefusalStart]) -> None:
+        """Start these refusals in the background, REFUSING_BESIDE at a time and each at nice
+        19 (AHEAD_NICE), while other tests run: the unit tests leave a core idle for minutes,
+        and fifteen refusals cost the e2e modules ~3 minutes. Their servers are made now, from
+        this moment's environment (a unit test may change os.environ meanwhile). A test that
+        asks for one (``start_expecting_failure``) takes its outcome, waiting for it at the
+        servers' niceness, or starts it itself if it has not begun."""
+        if not (can_renice() or autogroups_on()):
+            return  # it could not be put back to the servers' priority once a test waits for it
+        self._refuser = self._refuser or ThreadPoolExecutor(REFUSING_BESIDE, thread_name_prefix="vllm-refusal")
+        for model, args, env in starts:
+            key = _refusal_key(model, args, env)
+            if key in self._beside or key in self._refused:
+                continue
+            server = self._refusing_server(model, args, env, free_port(taken=frozenset(self._ports())))
+            self._beside[key] = (server, self._refuser.submit(self._refuse_beside, key, server))
+
+    def _under_way_beside(self, key: tuple[object, ...]) -> bool:
+        """Whether ``refuse_beside`` began this refusal (it is needed soon: from now on at the
+        servers' niceness); one it has not begun yet it forgets (the caller starts it now)."""
+        with self._lock:
+            if key not in self._beside:
+                return False
+            server, outcome = self._beside[key]
+            if not outcome.cancel():
+                self._claimed.add(key)
+                server.settle()
+                return True
+            del self._beside[key]
+            return False
+
+    def _refuse_beside(self, key: tuple[object, ...], server: ManagedServer) -> tuple[int | None, str]:
+        while True:  # not while a ``quiet`` test measures (it holds only what began before
+            self._not_quiet.wait(timeout=1.0)  # it), unless a test waits for this one
+            with self._lock:
+                if self._not_quiet.is_set() or key in self._claimed:
+                    server.launch(starting_nice=AHEAD_NICE)
+                    if key in self._claimed:
+                        server.settle()
+                    break
+        try:
+            server.wait_ready("/health", BESIDE_TIMEOUT_S)
+        except ServerStartError:
+            return server.stop(), server.log_path.read_text(errors="replace")
+        server.stop()
+        return 0, f"server started although it should have refused:\n{server.argv}"
 
     def start_expecting_failure(
         self, model: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 180
     ) -> tuple[int | None, str]:
         """Start a server that must refuse to start; returns (exit code, its log)."""
-        done = self._refused.pop(_refusal_key(model, args, env), None)
-        return done if done is not None else self._refuse(model, args, env, timeout_s)
+        key = _refusal_key(model, args, env)
+        done = self._refused.pop(key, None)
+        if done is not None:
+            return done
+        with self._lock:
+            self._claimed.add(key)
+            server, outcome = self._beside.pop(key, (None, None))
+        if server is None or outcome is None or outcome.cancel():
+            return self._refuse(model, args, env, timeout_s)  # none beside, or not begun yet
+        server.settle()  # a test waits for it now: no longer only on idle CPU
+        try:
+            return outcome.result(timeout=timeout_s)
+        except TimeoutError:
+            server.stop()  # its wait then ends with the exit, as a start in the foreground's
+            return outcome.result()
 
     def _refuse(self, model: Path, args: tuple[str, ...], env: dict[str, str] | None,
                 timeout_s: float) -> tuple[int | None, str]:
-        with self._lock:
-            self._count += 1
-            count = self._count
-        server = vllm_server(
-            model, args, env=env, log_path=self.log_dir / f"vllm-{count}-fail.log",
-            name=f"vllm-{count}",
-        )
+        server = self._refusing_server(model, args, env)
         try:
             server.start(timeout_s=timeout_s)
         except Exception:  # noqa: BLE001 - the failure is what we want to observe
@@ -428,6 +505,14 @@ class VllmServers:
             return code, server.log_path.read_text(errors="replace")
         server.stop()
         raise AssertionError(f"server started although it should have refused:\n{server.argv}")
+
+    def _refusing_server(self, model: Path, args: tuple[str, ...], env: dict[str, str] | None,
+                         port: int | None = None) -> ManagedServer:
+        with self._lock:
+            self._count += 1
+            count = self._count
+        return vllm_server(model, args, env=env, port=port, log_path=self.log_dir / f"vllm-{count}-fail.log",
+                           name=f"vllm-{count}")
 
     @staticmethod
     def log_of(server: ManagedServer) -> str:
@@ -437,6 +522,11 @@ class VllmServers:
         self._live.pop(key).stop()
 
     def stop_all(self) -> None:
+        for server, outcome in self._beside.values():
+            outcome.cancel()
+            server.stop()
+        if self._refuser is not None:
+            self._refuser.shutdown()
         self._drop_ahead()
         self.make_room(MAX_LIVE_SERVERS)
         self._waiter.shutdown()
@@ -500,11 +590,41 @@ def session_pool(factory: pytest.TempPathFactory) -> VllmServers:
 
 
 def start_ahead(modules: list[object], factory: pytest.TempPathFactory) -> None:
-    """Start the SERVERS of the first AHEAD_MODULES of these e2e modules ahead (what
-    tests/conftest.py does while the unit tests, which run first, leave a core idle)."""
+    """Start the SERVERS of the first AHEAD_MODULES of these e2e modules ahead, and every
+    module's refusals beside (``module_refusals``): what tests/conftest.py does while the unit
+    tests, which run first, leave a core idle."""
     models = session_models(factory)
-    session_pool(factory).ahead(*(w.on(models) for module in modules[:AHEAD_MODULES]
-                                  for w in getattr(module, "SERVERS", ())))
+    pool = session_pool(factory)
+    pool.ahead(*(w.on(models) for module in modules[:AHEAD_MODULES] for w in getattr(module, "SERVERS", ())))
+    pool.refuse_beside([start for module in modules if hasattr(module, "refusals")
+                        for start in module_refusals(module, factory)[1]])
+
+
+Refusals = tuple[dict[str, Path], list[RefusalStart]]
+
+
+def module_refusals(module: object, factory: pytest.TempPathFactory) -> Refusals:
+    """What a module's ``refusals(models, root)`` hook makes, once per session: the inputs its
+    refusals read (models, scales files: built in ``root``, by name) and the refusals. Those
+    that need no server of the module's fixtures (an LMCache) start beside the unit tests; the
+    module's fixture then hands them to ``VllmServers.refusals_ahead``, which starts only those
+    not under way."""
+    made: dict[str, Refusals] = _SESSION.setdefault("refusals", {})  # type: ignore[assignment]
+    name = getattr(module, "__name__", "")
+    if name not in made:
+        made[name] = module.refusals(session_models(factory),  # type: ignore[attr-defined]
+                                     factory.mktemp(name.rsplit(".", 1)[-1]))
+    return made[name]
+
+
+@pytest.fixture(scope="module")
+def refusals_under_way(request: pytest.FixtureRequest, vllm: VllmServers,
+                       tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The module's refusals (its ``refusals`` hook, ``module_refusals``) started, those not
+    under way beside the unit tests three at a time; the inputs they read, by name."""
+    made, starts = module_refusals(request.module, tmp_path_factory)
+    vllm.refusals_ahead(starts)
+    return made
 
 
 @pytest.fixture(scope="session")

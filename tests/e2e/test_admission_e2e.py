@@ -21,7 +21,7 @@ from kvops.core.prom import samples_by_name
 from kvops.ops.bench.admission_leak import leak_check
 from kvops.ops.bench.admission_load import Outcome, open_loop, scrape_counter
 
-from .conftest import Want
+from .conftest import Refusals, TinyModels, Want
 
 pytestmark = pytest.mark.e2e
 
@@ -148,11 +148,18 @@ def test_stock_server_preempts_under_the_same_overload(vllm, tiny_model):
     assert Counter(o.status for o in outcomes) == {200: len(outcomes)}
 
 
+FOREIGN_SCHEDULER = (*ARGS, "--scheduler-cls", "vllm.v1.core.sched.scheduler.Scheduler",
+                     "--additional-config", json.dumps(ADMISSION))
+
+
+def refusals(models: TinyModels, root: Path) -> Refusals:
+    """The foreign scheduler's refusal (conftest ``module_refusals``: it starts beside the unit
+    tests; run without them, the test starts it)."""
+    return {}, [(models(), FOREIGN_SCHEDULER, None)]
+
+
 def test_admission_with_a_foreign_scheduler_refuses_to_start(vllm, tiny_model):
-    code, log = vllm.start_expecting_failure(
-        tiny_model, *ARGS, "--scheduler-cls", "vllm.v1.core.sched.scheduler.Scheduler",
-        "--additional-config", json.dumps(ADMISSION),
-    )
+    code, log = vllm.start_expecting_failure(tiny_model, *FOREIGN_SCHEDULER)
     assert code == 2, log[-3000:]
     reasons = [line for line in log.splitlines() if line.startswith("kvops: refusing to start:")]
     assert len(reasons) == 1, log[-3000:]

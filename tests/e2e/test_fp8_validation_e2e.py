@@ -14,6 +14,8 @@ from fp8_cpu import CPU_RUNS_FP8, VLLM_REFUSAL
 
 from kvops.core.fp8.scales import fingerprint_of_config, read_model_config
 
+from .conftest import Refusals, RefusalStart, TinyModels
+
 pytestmark = pytest.mark.e2e
 
 LEN = ("--max-model-len", "2048")
@@ -92,22 +94,21 @@ def _scales_file(root: Path, name: str, doc: dict[str, object]) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def inputs(vllm, tiny_model, tiny_models, tmp_path_factory) -> dict[str, Path]:
-    """Every refusal's model and scales file, built once; the refusals themselves then start
-    three at a time (VllmServers.refusals_ahead) and each test reads its own outcome."""
-    root = tmp_path_factory.mktemp("fp8-refusals")
-    other = tiny_models(layers=2)
+def refusals(models: TinyModels, root: Path) -> Refusals:
+    """Every refusal's model and scales file, by name, and the refusals (conftest
+    ``module_refusals``: they start beside the unit tests, or three at a time before this
+    module's first test)."""
+    tiny_model = models()
     made = {
-        "head_dim_80": tiny_models(hidden=320, heads=4, kv_heads=2, head_dim=80),
+        "head_dim_80": models(hidden=320, heads=4, kv_heads=2, head_dim=80),
         "mla": _mla_model(tiny_model, root),
         "with_scales": _model_with_scales(tiny_model, root),
-        "other_scales": _scales_file(root, "other-scales.json", _scales_doc(other)),
+        "other_scales": _scales_file(root, "other-scales.json", _scales_doc(models(layers=2))),
         "zero": _scales_file(root, "zero-scales.json", _scales_doc(tiny_model, k_scale=0.0)),
         "nan": _scales_file(root, "nan-scales.json", _scales_doc(tiny_model, k_scale=float("nan"))),
         "scales": _scales_file(root, "scales.json", _scales_doc(tiny_model)),
     }
-    starts = [
+    starts: list[RefusalStart] = [
         (tiny_model, (*LEN, *FP8), {FAKE_FLAGS: "sse4_2,avx2,fma"} if CPU_RUNS_FP8 else None),
         (made["head_dim_80"], (*LEN, *FP8), ISA),
         (made["mla"], (*LEN, *FP8), ISA),
@@ -118,8 +119,12 @@ def inputs(vllm, tiny_model, tiny_models, tmp_path_factory) -> dict[str, Path]:
     ]
     if not CPU_RUNS_FP8:
         starts.append((tiny_model, (*LEN, *FP8), {"VLLM_PLUGINS": "none"}))
-    vllm.refusals_ahead(starts)
-    return made
+    return made, starts
+
+
+@pytest.fixture(scope="module")
+def inputs(refusals_under_way: dict[str, Path]) -> dict[str, Path]:
+    return refusals_under_way
 
 
 def test_cpu_without_avx512_or_amx(vllm, tiny_model, inputs):

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import requests
 
 from kvops.core.prom import samples_by_name
 
-from .conftest import Want
+from .conftest import Refusals, TinyModels, Want
 
 pytestmark = pytest.mark.e2e
 
@@ -42,10 +43,15 @@ def _refusal_args(transfer: dict | None, offload: dict) -> tuple[str, ...]:
     return args if transfer is None else (*args, "--kv-transfer-config", json.dumps(transfer))
 
 
+def refusals(models: TinyModels, root: Path) -> Refusals:
+    """The three refusals (conftest ``module_refusals``: they start beside the unit tests, or
+    side by side before this module's first); each test reads its own."""
+    return {}, [(models(), _refusal_args(*r), LMCACHE_ENV) for r in REFUSALS]
+
+
 @pytest.fixture(scope="module")
-def refusals_started(vllm, tiny_model) -> None:
-    """The three refusals start side by side (VllmServers.refusals_ahead); each test reads its own."""
-    vllm.refusals_ahead([(tiny_model, _refusal_args(*r), LMCACHE_ENV) for r in REFUSALS])
+def refusals_started(refusals_under_way: dict[str, Path]) -> None:
+    return None
 
 
 @pytest.mark.parametrize(("transfer", "offload"), REFUSALS,

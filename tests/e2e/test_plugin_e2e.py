@@ -12,7 +12,7 @@ import requests
 
 from kvops.ops.launch import ManagedServer
 
-from .conftest import STOCK, WORK, Want
+from .conftest import STOCK, WORK, Refusals, TinyModels, Want
 
 pytestmark = pytest.mark.e2e
 EMPTY = "kvops-empty.yaml"
@@ -44,17 +44,25 @@ def _kv_line(log: str) -> str:
     return match.group(0)
 
 
+def refusals(models: TinyModels, root: Path) -> Refusals:
+    """The bad settings' refusals (conftest ``module_refusals``: they start beside the unit
+    tests, or beside this module's servers)."""
+    return {}, [(models(), _bad_args(settings), None) for settings, _ in BAD]
+
+
+def _bad_args(settings: dict[str, object]) -> tuple[str, ...]:
+    return ("--max-model-len", "2048", "--additional-config", json.dumps({"kvops": settings}))
+
+
 @pytest.fixture(scope="module")
 def kvops_yaml(tiny_model: Path) -> Path:
     return tiny_model.parent / EMPTY  # WORK/EMPTY, written by PLUGIN.on before its start
 
 
 @pytest.fixture(scope="module")
-def servers(vllm, tiny_model, kvops_yaml) -> tuple[ManagedServer, ManagedServer]:
+def servers(vllm, tiny_model, kvops_yaml, refusals_under_way) -> tuple[ManagedServer, ManagedServer]:
     """The plugin with an empty kvops.yaml, and a plugin-free server, started side by side;
     the bad settings' refusals start beside each other too."""
-    vllm.refusals_ahead([(tiny_model, ("--max-model-len", "2048", "--additional-config",
-                                       json.dumps({"kvops": settings})), None) for settings, _ in BAD])
     with_plugin, stock = vllm.many(PLUGIN.on(tiny_model), STOCK.on(tiny_model))
     return with_plugin, stock
 
@@ -94,9 +102,7 @@ def test_without_settings_the_plugin_changes_nothing(vllm, tiny_model, servers):
 
 @pytest.mark.parametrize(("settings", "expected"), BAD, ids=["unknown-key", "missing-yaml"])
 def test_bad_settings_refuse_to_start_with_one_line(vllm, tiny_model, servers, settings, expected):
-    code, log = vllm.start_expecting_failure(
-        tiny_model, "--max-model-len", "2048", "--additional-config", json.dumps({"kvops": settings})
-    )
+    code, log = vllm.start_expecting_failure(tiny_model, *_bad_args(settings))
     assert code == 2, log[-3000:]
     reasons = [line for line in log.splitlines() if line.startswith("kvops: refusing to start:")]
     assert len(reasons) == 1, log[-3000:]
