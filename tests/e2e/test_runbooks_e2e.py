@@ -55,7 +55,10 @@ def _quiet(stack: Stack, check: Check) -> AbstractContextManager[None]:
     runs (VllmServers.quiet), as in the load-test module's baseline test. Without it, the
     confirmation after a mitigation (ttft-regression.md, state healthy) ran beside the next
     state's server start that the baseline just before had not had, and read ITL +52% (CI 0.36
-    to 0.68): "decode" regressed, exit 3 (clean-clone run, this session's AVX2 machine)."""
+    to 0.68): "decode" regressed, exit 3 (clean-clone run, this session's AVX2 machine).
+    Held here, after ``stack.enter``, not by the ``quiet`` mark: the mark's fixture holds from
+    before the state's servers are asked for (one of them may be a held start, waited for
+    without end), and this module's own starts ahead (``_states_ahead``) come after it."""
     return stack.servers.quiet() if "loadtest ttft-regression" in check.command else nullcontext()
 
 
