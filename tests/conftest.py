@@ -27,10 +27,33 @@ SHARED_DIR = (REPO_ROOT.parent / "shared").resolve()
 MODEL_CONFIGS_DIR = SHARED_DIR / "fixtures" / "model-configs"
 
 
+RUNS_AFTER = {"test_runbooks_e2e": "test_loadtest_faults_e2e", "test_plugin_e2e": "test_offload_faults_e2e"}
+"""E2E modules moved to run right after the module that last used the server configurations
+they share, so that the pool still holds them: the runbook states' default 2048-token server
+(the load-test modules'), the plugin module's plugin-free server (the offload modules'). In file
+order each of those was started twice (and the prefix-caching-off one) in every CI run."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Unit tests first, then the e2e tests (each group in its own order): a unit failure shows
-    in minutes, and the first e2e modules' servers start while the unit tests run."""
-    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
+    """Unit tests first, then the e2e tests (each group in file order, but RUNS_AFTER): a unit
+    failure shows in minutes, and the first e2e modules' servers start while the unit tests run."""
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first.setdefault(_module_name(item), index)
+
+    def place(item: pytest.Item) -> tuple[bool, int, int]:
+        if item.get_closest_marker("e2e") is None:
+            return (False, 0, 0)  # the sort is stable: the unit tests keep their order
+        anchor = RUNS_AFTER.get(_module_name(item), "")
+        if anchor in first:
+            return (True, first[anchor], 1)
+        return (True, first[_module_name(item)], 0)
+
+    items.sort(key=place)
+
+
+def _module_name(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
 
 
 FILES_LISTED = 15
