@@ -135,7 +135,8 @@ def lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
     server.stop()
 
 
-def _offload(tiny_model: Path, lmcache: Lmcache) -> Want:
+def offload_want(tiny_model: Path, lmcache: Lmcache) -> Want:
+    """The offload server on ``lmcache`` (this module's, and the faults module's on its tmpfs)."""
     return Want(tiny_model, ("--max-model-len", "2048", "--enable-prompt-tokens-details",
                              "--additional-config", lmcache.vllm_settings()),
                 env={"VLLM_SERVER_DEV_MODE": "1"})
@@ -145,13 +146,13 @@ def _offload(tiny_model: Path, lmcache: Lmcache) -> Want:
 def _offload_ahead(module_servers, vllm, tiny_model, lmcache: Lmcache) -> None:
     """The offload server starts ahead (its LMCache first) while the refusals and the oracle
     test run: asked for by its first test, it was a start in the foreground of 53 s."""
-    vllm.announce(_offload(tiny_model, lmcache))
+    vllm.announce(offload_want(tiny_model, lmcache))
 
 
 @pytest.fixture(scope="module")
 def offload_vllm(vllm, tiny_model, lmcache) -> ManagedServer:
     """The offload server, started beside the plugin-free one the module compares it with."""
-    offload, _stock = vllm.many(_offload(tiny_model, lmcache), STOCK.on(tiny_model))
+    offload, _stock = vllm.many(offload_want(tiny_model, lmcache), STOCK.on(tiny_model))
     return offload
 
 

@@ -46,6 +46,7 @@ from .test_offload_e2e import (
     Lmcache,
     complete,
     metric,
+    offload_want,
     reset_vllm_prefix_cache,
     token_prompt,
     wait_for,
@@ -170,26 +171,20 @@ def _assert_greedy(vllm, model: Path, got: dict[int, greedy.Completion], stock: 
             f"seed {seed}: {out.text!r} is not greedy (stock {stock[seed]!r}); logprob gaps {gaps}")
 
 
-def _faults(tiny_model: Path, lmcache: Lmcache) -> Want:
-    return Want(tiny_model, ("--max-model-len", "2048", "--enable-prompt-tokens-details",
-                             "--additional-config", lmcache.vllm_settings()),
-                env={"VLLM_SERVER_DEV_MODE": "1"})
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _faults_ahead(request: pytest.FixtureRequest, module_servers, vllm, tiny_model) -> None:
     """The tmpfs LMCache starts with the module, and its offload server ahead while the first
     two tests (their own LMCache faults) run: asked for by the third, it was a start in the
     foreground of 54 s. Not as a user without root: the tests that need the tmpfs say so."""
     if os.geteuid() == 0:
-        vllm.announce(_faults(tiny_model, request.getfixturevalue("tmpfs_lmcache")))
+        vllm.announce(offload_want(tiny_model, request.getfixturevalue("tmpfs_lmcache")))
 
 
 @pytest.fixture(scope="module")
 def faults_vllm(vllm, tiny_model, tmpfs_lmcache) -> ManagedServer:
     """The offload server on the tmpfs LMCache, started beside the plugin-free one whose greedy
     outputs are the oracle (load_stock_outputs)."""
-    faults, _stock = vllm.many(_faults(tiny_model, tmpfs_lmcache),
+    faults, _stock = vllm.many(offload_want(tiny_model, tmpfs_lmcache),
                                Want(tiny_model, STOCK_ARGS, env={"VLLM_PLUGINS": "none"}))
     return faults
 

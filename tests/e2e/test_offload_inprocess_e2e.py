@@ -49,14 +49,9 @@ def refusals(models: TinyModels, root: Path) -> Refusals:
     return {}, [(models(), _refusal_args(*r), LMCACHE_ENV) for r in REFUSALS]
 
 
-@pytest.fixture(scope="module")
-def refusals_started(refusals_under_way: dict[str, Path]) -> None:
-    return None
-
-
 @pytest.mark.parametrize(("transfer", "offload"), REFUSALS,
                          ids=["direct", "inside-multi-connector", "lmcache-mode-in-process"])
-def test_in_process_connector_with_offload_section_refuses_on_cpu(vllm, tiny_model, refusals_started,
+def test_in_process_connector_with_offload_section_refuses_on_cpu(vllm, tiny_model, refusals_under_way,
                                                                    transfer, offload):
     code, log = vllm.start_expecting_failure(tiny_model, *_refusal_args(transfer, offload), env=LMCACHE_ENV)
     assert code == 2, log[-3000:]
