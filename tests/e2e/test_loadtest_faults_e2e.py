@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 
 import pytest
 from typer.testing import CliRunner
@@ -25,12 +26,13 @@ from .starved import RERUNS, client_bound, note_rerun
 pytestmark = pytest.mark.e2e
 
 
-def loadtest(tmp_path, scenario: str, url: str, *args: str, rerun: bool = True) -> dict:
-    """One `kvops loadtest … --json` run; a client-bound run again (tests/e2e/starved.py)
-    unless ``rerun`` is False (a test that accepts client-bound)."""
+def loadtest(tmp_path, scenario: str, url: str, *args: str,
+             rerun: Callable[[dict], bool] = client_bound) -> dict:
+    """One `kvops loadtest … --json` run; a client-bound run again (tests/e2e/starved.py), or
+    one that ``rerun`` names (a test that accepts some client-bound runs)."""
     result = _loadtest_once(tmp_path, scenario, url, *args)
-    for _ in range(RERUNS if rerun else 0):
-        if not client_bound(result):
+    for _ in range(RERUNS):
+        if not rerun(result):
             break
         note_rerun(result)
         result = _loadtest_once(tmp_path, scenario, url, *args)
@@ -266,6 +268,21 @@ def test_no_drift_in_a_dataset_with_a_shared_prefix(healthy, tmp_path):
 USERS = 64
 
 
+def starved(multiple: int) -> Callable[[dict], bool]:
+    """A run at ``multiple`` times the baseline's rate whose client sent less than half of its
+    schedule with users to spare: its CPU fell behind, not its 64 users all waiting on responses
+    (which 16x may be, and the test accepts). It measured nothing and runs again (starved.py):
+    a clean-clone run's 4x ran 56 s instead of 12 and sent 46 of 168 arrivals (p99 lateness
+    44 s) while the kernel logged "crng reseeded due to virtual machine fork" (the VM frozen for
+    a snapshot) and the only start under way was held."""
+    def rerun(result: dict) -> bool:
+        return client_bound(result) and any(
+            ev.get("load_ratio", {}).get("arrival_rate_rps", multiple) < 0.5 * multiple
+            and any(x["in_flight_max"] < x["users"] for x in ev.get("client_behind", ()))
+            for ev in (v["evidence"] for v in result["verdicts"]))
+    return rerun
+
+
 @pytest.mark.quiet
 def test_more_load_is_named_load_not_a_slower_phase(healthy, tmp_path):
     scenario = tmp_path / "ttft.yaml"
@@ -285,7 +302,7 @@ def test_more_load_is_named_load_not_a_slower_phase(healthy, tmp_path):
     for multiple in (4, 16):
         result = loadtest(tmp_path, "ttft-regression", healthy.url, *common, "--rate",
                           str(multiple), "--duration", "12", "--baseline", base["files"]["json"],
-                          rerun=False)
+                          rerun=starved(multiple))
         (verdict,) = result["verdicts"]
         ev = verdict["evidence"]
         seen[multiple] = (verdict["problem"], verdict["cause"])
