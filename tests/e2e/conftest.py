@@ -1,7 +1,7 @@
 """Real servers for e2e tests: tiny models built once per session, `vllm serve` started once
 per distinct configuration and shared across tests, at most MAX_LIVE_SERVERS alive at a time
 (the least recently used is stopped). An idle CPU server costs ~1% of a core (measured over 5 s
-on its three processes) and ~2 GiB plus its KV cache, a start 30-60 s: keeping up to six alive
+on its processes) and ~1.5 GiB plus its KV cache, a start 25-60 s: keeping up to six alive
 (while memory allows, FREE_GIB) spares restarts that fewer caused (with two the default
 2048-token server was started 4 times in one session).
 
@@ -48,9 +48,21 @@ from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 from .staging import staging_fleet  # noqa: F401 - the session's staging fleet (issue 14)
 
 MAX_LIVE_SERVERS = 6
-SERVER_GIB = 2.5
-"""Memory of one more tiny-model CPU vLLM besides its KV cache: its three processes (API
-server, engine core, worker) measured ~2.1 GiB RSS together."""
+SERVER_GIB = 2.0
+"""Memory of one more tiny-model CPU vLLM besides its KV cache: with the worker in the engine
+core (SERVING_ENV) its two processes measured ~0.65 + ~0.7 GiB RSS; three (API server, engine
+core, worker) measured ~2.1 GiB together."""
+SERVING_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))),
+}
+"""The environment of the pool's serving servers: the worker runs inside the engine core, as
+vLLM runs it on a GPU with one rank (vllm/config/parallel.py: "uni" when world_size is 1). On
+the CPU vLLM otherwise forces the multiprocessing executor (vllm/platforms/cpu.py:335), a third
+process that imports vLLM again: ~10 s of a core per start, a third of it. OMP_NUM_THREADS keeps
+the model's threads at the cores' count, what that worker ran with (vllm/utils/torch_utils.py:
+an engine core left to itself takes 1). The refusals (``start_expecting_failure``) keep the CPU's
+default, a worker that is the engine core's child, so both of refuse_in_engine's paths run."""
 FREE_GIB = 4.0
 """Left available beside the servers for what the test runs next to them (LMCache, Prometheus,
 Locust, the test itself). A start that would leave less stops the least recently used first.
@@ -233,8 +245,8 @@ class VllmServers:
 
     def many(self, *wants: Want) -> list[ManagedServer]:
         """The servers of these configurations, those not alive started side by side: a start
-        is three Python processes importing vLLM one after another, one core's work, so two
-        starts on the two cores take about the time of one (a test that compares a feature
+        is two Python processes importing vLLM one after the other (SERVING_ENV), one core's
+        work, so two starts on the two cores take about the time of one (a test that compares a feature
         server with a plugin-free one, or a module's configurations, asks for them together)."""
         todo: dict[tuple[object, ...], Want] = {}
         self.used.update(w.key for w in wants)
@@ -407,7 +419,8 @@ class VllmServers:
         with self._lock:
             self._count += 1
             count = self._count
-        return vllm_server(want.model, want.args, kv_cache_bytes=want.kv_cache_bytes, env=want.env,
+        return vllm_server(want.model, want.args, kv_cache_bytes=want.kv_cache_bytes,
+                           env={**SERVING_ENV, **(want.env or {})},
                            port=port, log_path=self.log_dir / f"vllm-{count}.log", name=f"vllm-{count}")
 
     def refusals_ahead(self, starts: list[RefusalStart]) -> None:
