@@ -85,6 +85,12 @@ STATES: tuple[State, ...] = (
         page_flags=("--kv-cache-memory-bytes", "--max-model-len", "--gpu-memory-utilization"),
     ),
     State(
+        "prefix-off",
+        "prefix caching switched off (the page's own load test supplies the shared prefixes)",
+        args=(*MAX_MODEL_LEN, "--no-enable-prefix-caching"),
+        page_flags=("--no-enable-prefix-caching",),
+    ),
+    State(
         "kv-exhausted",
         "16 KV blocks (2,048 tokens) under 6 users generating 800 tokens each: preemptions",
         # 1,024 tokens a request: vLLM keeps one of the 16 blocks as its null block, and on the
@@ -118,12 +124,6 @@ STATES: tuple[State, ...] = (
         load=Load(users=4, prompt_words=20, max_tokens=64),
         ready={"waiting": 1},
         page_flags=("--max-num-seqs",),
-    ),
-    State(
-        "prefix-off",
-        "prefix caching switched off (the page's own load test supplies the shared prefixes)",
-        args=(*MAX_MODEL_LEN, "--no-enable-prefix-caching"),
-        page_flags=("--no-enable-prefix-caching",),
     ),
     State(
         "fp8-default",
