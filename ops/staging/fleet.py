@@ -44,6 +44,8 @@ class FleetSpec:
     kv_cache_bytes: int = 16 * BLOCK_BYTES
     max_model_len: int = 1024
     fast_alerts: bool = True
+    replica_env: tuple[tuple[str, str], ...] = ()
+    """Extra environment for the replicas' `vllm serve` (e.g. the e2e tests' executor)."""
 
 
 @dataclass
@@ -82,8 +84,7 @@ class Fleet:
         _require_executables()
         self.spec.root.mkdir(parents=True, exist_ok=True)
         try:
-            self._start_lmcache()
-            self._start_replicas()
+            self._start_lmcache_and_replicas()
             self._start_proxy()
             self.webhook = Webhook(self.on_notification)
             self.webhook.start()
@@ -122,7 +123,14 @@ class Fleet:
 
     # -- the parts ---------------------------------------------------------------------------
 
-    def _start_lmcache(self) -> None:
+    def _start_lmcache_and_replicas(self) -> None:
+        """LMCache and the replicas side by side: replica 1 (no offload) from the start,
+        replica 0, whose plugin checks the LMCache server at start-up, once LMCache answers."""
+        lmcache = self._lmcache()
+        replicas = self._replicas()
+        _start_all([[(lmcache, "/healthcheck"), (replicas[0], "/health")], [(replicas[1], "/health")]])
+
+    def _lmcache(self) -> ManagedServer:
         root = self.spec.root / "lmcache"
         root.mkdir(parents=True, exist_ok=True)
         http_port = free_port()
@@ -137,10 +145,10 @@ class Fleet:
             port=http_port, log_path=root / "serve.out",
             env=_env({"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}),
         )
-        self.lmcache.start(health_path="/healthcheck")
         self.offload_yaml = config
+        return self.lmcache
 
-    def _start_replicas(self) -> None:
+    def _replicas(self) -> list[ManagedServer]:
         spec = self.spec
         common = ("--api-key", spec.api_key, "--served-model-name", spec.served_model_name,
                   "--max-model-len", str(spec.max_model_len))
@@ -151,9 +159,9 @@ class Fleet:
         for i, section in enumerate(kvops_sections):
             self.replicas.append(vllm_server(
                 spec.model, (*common, "--additional-config", json.dumps({"kvops": section})),
-                kv_cache_bytes=spec.kv_cache_bytes, log_path=spec.root / f"replica-{i}.log",
-                name=f"replica-{i}"))
-        _start_all(self.replicas)
+                kv_cache_bytes=spec.kv_cache_bytes, env=dict(spec.replica_env),
+                log_path=spec.root / f"replica-{i}.log", name=f"replica-{i}"))
+        return self.replicas
 
     def _start_proxy(self) -> None:
         port = free_port()
@@ -206,17 +214,19 @@ def start_prometheus(root: Path, targets: list[str] | Path, alerts: Path, alertm
     return server
 
 
-def _start_all(servers: list[ManagedServer]) -> None:
-    """Start servers side by side (each vLLM takes a minute or more to load)."""
+def _start_all(chains: list[list[tuple[ManagedServer, str]]]) -> None:
+    """Start chains of servers side by side (each vLLM takes a minute or more to load), the
+    servers of a chain one after another, each once the one before answers on its health path."""
     errors: list[BaseException] = []
 
-    def one(server: ManagedServer) -> None:
+    def one(chain: list[tuple[ManagedServer, str]]) -> None:
         try:
-            server.start()
+            for server, health_path in chain:
+                server.start(health_path=health_path)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, with the log tail
             errors.append(exc)
 
-    threads = [threading.Thread(target=one, args=(s,)) for s in servers]
+    threads = [threading.Thread(target=one, args=(c,)) for c in chains]
     for t in threads:
         t.start()
     for t in threads:

@@ -45,6 +45,7 @@ from kvops.ops.launch import (
 )
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 
+from .serving import SERVING_ENV
 from .staging import staging_fleet  # noqa: F401 - the session's staging fleet (issue 14)
 
 MAX_LIVE_SERVERS = 8
@@ -56,17 +57,6 @@ SERVER_GIB = 2.0
 """Memory of one more tiny-model CPU vLLM besides its KV cache: with the worker in the engine
 core (SERVING_ENV) its two processes measured ~0.65 + ~0.7 GiB RSS; three (API server, engine
 core, worker) measured ~2.1 GiB together."""
-SERVING_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))),
-}
-"""The environment of the pool's serving servers: the worker runs inside the engine core, as
-vLLM runs it on a GPU with one rank (vllm/config/parallel.py: "uni" when world_size is 1). On
-the CPU vLLM otherwise forces the multiprocessing executor (vllm/platforms/cpu.py:335), a third
-process that imports vLLM again: ~10 s of a core per start, a third of it. OMP_NUM_THREADS keeps
-the model's threads at the cores' count, what that worker ran with (vllm/utils/torch_utils.py:
-an engine core left to itself takes 1). The refusals (``start_expecting_failure``) keep the CPU's
-default, a worker that is the engine core's child, so both of refuse_in_engine's paths run."""
 FREE_GIB = 4.0
 """Left available beside the servers for what the test runs next to them (LMCache, Prometheus,
 Locust, the test itself). A start that would leave less stops the least recently used first.

@@ -20,6 +20,8 @@ from runbooks.states import Load
 
 from kvops.ops.staging.fleet import Fleet, FleetSpec
 
+from .serving import SERVING_ENV
+
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 300.0  # generous: a precondition on a shared 2-core box, never a timing assertion
 
@@ -28,8 +30,9 @@ WAIT_S = 300.0  # generous: a precondition on a shared 2-core box, never a timin
 def staging_fleet(vllm: Any, tiny_model: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     vllm.make_room(2)  # the fleet's two replicas
+    # the replicas serve as the pool's servers do (SERVING_ENV: the executor of one GPU)
     fleet = Fleet(FleetSpec(model=tiny_model, root=tmp_path_factory.mktemp("staging"),
-                            alerts=REPO / "runbooks" / "alerts.yaml"))
+                            alerts=REPO / "runbooks" / "alerts.yaml", replica_env=tuple(SERVING_ENV.items())))
     fleet.start()
     yield fleet
     fleet.stop()
