@@ -300,6 +300,18 @@ class VllmServers:
             server.launch(starting_nice=AHEAD_NICE)
             self._ahead[want.key] = (want, server, self._waiter.submit(_ready_after, server))
 
+    def holds(self, want: Want) -> bool:
+        """Whether this configuration's server is alive or starting ahead."""
+        server = self._live.get(want.key)
+        return want.key in self._ahead or (server is not None and server.returncode() is None)
+
+    def finish_ahead(self, *wants: Want) -> None:
+        """Wait for those of these configurations that are starting ahead and claim them, e.g.
+        before a server their start-up checks is stopped; the others are left as they are."""
+        under_way = [want for want in wants if want.key in self._ahead]
+        if under_way:
+            self.many(*under_way)
+
     def drop(self, *wants: Want) -> None:
         """Stop these configurations' servers: the module is done with them, and their places
         and memory go to the starts ahead of what it asks for next."""

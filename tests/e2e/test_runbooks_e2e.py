@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 
 import pytest
 from fp8_cpu import CPU_RUNS_FP8, needs_fp8_cpu
 from runbooks.markup import Check, missing_lines, pages
-from runbooks.stack import Stack
+from runbooks.stack import Stack, plain_refusals
 from runbooks.states import STATE_ORDER, state
 
-from .conftest import later_servers
+from .conftest import Refusals, TinyModels, later_servers
 from .starved import RERUNS, client_bound_output, note_rerun
 
 pytestmark = pytest.mark.e2e
@@ -39,6 +40,12 @@ def stack(request: pytest.FixtureRequest, vllm, tiny_models,
     stack = Stack(vllm, tiny_models, tmp_path_factory.mktemp("runbooks"), list(visits))
     yield stack
     stack.close()
+
+
+def refusals(models: TinyModels, root: Path) -> Refusals:
+    """The states' refusals that can start beside the unit tests (conftest ``module_refusals``,
+    runbooks.stack ``plain_refusals``)."""
+    return {}, plain_refusals(models)
 
 
 OWN_AHEAD = True
