@@ -87,13 +87,20 @@ def redis_port(redis: Redis) -> int:
 def two_lmcache(redis_port: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[OffloadSettings, ManagedServer]]]:
     root = tmp_path_factory.mktemp("shared")
     pairs = []
+    taken: set[int] = set()  # promised to the other server, not bound yet
     try:
         for name in ("a", "b"):
-            settings = OffloadSettings(port=free_port(), http_port=free_port(), l1_gib=0.25,
+            port = free_port(taken=frozenset(taken))
+            http_port = free_port(taken=frozenset({*taken, port}))
+            taken |= {port, http_port}
+            settings = OffloadSettings(port=port, http_port=http_port, l1_gib=0.25,
                                        shared_l2=f"redis://127.0.0.1:{redis_port}", heartbeat_s=1)
             server = lmcache_server(settings, log_path=root / f"lmcache-{name}.log", name=f"lmcache-{name}")
-            server.start(health_path="/healthcheck", timeout_s=240)
+            server.launch()  # side by side: one start's time
             pairs.append((settings, server))
+        for _, server in pairs:
+            server.wait_ready("/healthcheck", 240)
+            server.settle()
         yield pairs
     finally:
         for _, server in pairs:
