@@ -60,12 +60,15 @@ def test_servers_run_at_the_niceness_asked_for(tmp_path, monkeypatch, asked):
 
 def test_a_server_started_by_a_niced_server_keeps_that_niceness(tmp_path, monkeypatch):
     """`kvops offload serve` (itself a server kvops started) starts `lmcache server`: both at
-    10, not 10 and then 20 (19: the lowest priority there is)."""
+    10, not 10 and then 20 (19: the lowest priority there is). The inner one dies with the
+    outer (die_with_parent, as `kvops offload serve` starts LMCache): in its own session, the
+    outer's stop does not reach it, and each run left an http.server behind."""
     monkeypatch.setenv(SERVER_NICE_ENV, "10")
     port = free_port()
     starter = (f"import os; from pathlib import Path; from kvops.ops.launch import ManagedServer; "
                f"s = ManagedServer(name='inner', argv={[sys.executable, '-m', 'http.server', str(port), '--bind', '127.0.0.1']!r}, "
-               f"port={port}, log_path=Path({str(tmp_path / 'inner.log')!r}), env=dict(os.environ)); "
+               f"port={port}, log_path=Path({str(tmp_path / 'inner.log')!r}), env=dict(os.environ), "
+               "die_with_parent=True); "
                "s.start(health_path='/', timeout_s=30); print(s.process.pid, flush=True); "
                "import time; time.sleep(60)")
     outer = ManagedServer(name="outer", argv=[sys.executable, "-c", starter], port=port,
@@ -82,6 +85,22 @@ def test_a_server_started_by_a_niced_server_keeps_that_niceness(tmp_path, monkey
         assert _nice_of(inner) == max(os.nice(0), 10)
     finally:
         outer.stop()
+    assert _gone(inner), f"the inner server (pid {inner}) outlived the outer one"
+
+
+def _gone(pid: int) -> bool:
+    """Whether the process exited within 10 s (absent, or a zombie its new parent has not
+    reaped yet)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                if handle.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _thread_nices(pid: int) -> set[int]:
