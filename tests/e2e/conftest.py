@@ -280,7 +280,7 @@ class VllmServers:
             return  # a start that could not be put back to normal priority, or not niced at all
         wanted = {w.key for w in wants}
         for want in wants:
-            if want.key in self._ahead or (want.key in self._live and self._live[want.key].returncode() is None):
+            if self.holds(want):
                 continue
             starting = self._starting()
             if len(starting) >= AHEAD_AT_ONCE:

@@ -62,8 +62,6 @@ class Stack:
         self.env: dict[str, str] = {}
         self._load: LoadThreads | None = None
         self.lmcache = LmcacheServer(root / "lmcache")
-        self._offloading_ahead: list[Want] = []
-        """Servers of offloading states started ahead (``_states_ahead``)."""
 
     def workdir(self, page: str) -> Path:
         path = self.root / "pages" / page.removesuffix(".md")
@@ -113,7 +111,6 @@ class Stack:
         offloading = [want for nxt, want in later if nxt.lmcache and not self.servers.holds(want)]
         if offloading:
             self.lmcache.start()
-            self._offloading_ahead.extend(offloading)
         self.servers.ahead(*(want for _, want in later), reserve=0)
 
     def _later_plain(self, st: State) -> list[tuple[State, Want]]:
@@ -141,7 +138,8 @@ class Stack:
             if st.lmcache == "up" or (not st.refuses_start and not self.servers.holds(want)):
                 self.lmcache.start()  # a running "down" state needs it up while vLLM starts
             elif st.refuses_start:
-                self.servers.finish_ahead(*self._offloading_ahead)  # they need it to start
+                # the later offloading states' servers starting ahead need it until ready
+                self.servers.finish_ahead(*(w for nxt, w in self._later_plain(st) if nxt.lmcache))
                 self.lmcache.stop()
         self.servers.new_phase()  # the servers of states already left may make room
         server = None
