@@ -138,7 +138,7 @@ def test_prefix_miss_from_eviction_on_a_tiny_cache(small_kv, tmp_path):
     scenario = tmp_path / "many.yaml"
     scenario.write_text("groups: 8\nprefix_words: 300\nusers: 2\n")
     evicted_before = _evicted_blocks(small_kv.url)
-    _, result = loadtest(tmp_path, "prefix-miss", small_kv.url, "--duration", "25",
+    _, result = loadtest(tmp_path, "prefix-miss", small_kv.url, "--duration", "15",
                          "--scenario-file", str(scenario))
     evicted = _evicted_blocks(small_kv.url) - evicted_before
     (verdict,) = result["verdicts"]
@@ -298,7 +298,7 @@ def test_prefix_drift_from_a_timestamp_in_the_system_prompt(healthy, tiny_model,
     scenario = tmp_path / "ts.yaml"
     scenario.write_text('system_template: "You are a helpful assistant for team {group}. '
                         'Session started {timestamp}. Policy: {prefix}"\n')
-    _, result = loadtest(tmp_path, "prefix-miss", healthy.url, "--duration", "25",
+    _, result = loadtest(tmp_path, "prefix-miss", healthy.url, "--duration", "12",
                          "--scenario-file", str(scenario))
     (verdict,) = result["verdicts"]
     assert (verdict["problem"], verdict["cause"]) == ("prefix-miss", "prefix-drift"), verdict
@@ -317,7 +317,7 @@ def test_prefix_drift_from_a_timestamp_in_the_system_prompt(healthy, tiny_model,
 
 def test_prefix_caching_disabled(vllm, tiny_model, tmp_path):
     server = vllm(tiny_model, "--max-model-len", "2048", "--no-enable-prefix-caching")
-    _, result = loadtest(tmp_path, "prefix-miss", server.url, "--duration", "20")
+    _, result = loadtest(tmp_path, "prefix-miss", server.url, "--duration", "10")
     (verdict,) = result["verdicts"]
     assert (verdict["problem"], verdict["cause"]) == ("prefix-miss", "prefix-caching-disabled")
     assert verdict["evidence"]["measured_hit_rate"] == 0
