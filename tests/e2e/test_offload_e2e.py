@@ -305,12 +305,18 @@ def test_prefix_is_served_from_disk_after_l1_is_cleared(offload_vllm, tiny_model
 
 def test_corrupt_cache_file_is_a_miss_never_wrong_kv(offload_vllm, tiny_model, lmcache, stock_outputs):
     """Overwrite a stored prefix's disk files with random bytes of the same size: LMCache serves
-    them as a hit; the connector's checksums must turn that into a recompute."""
+    them as a hit; the connector's checksums must turn that into a recompute.
+
+    The files are those that appear on disk for the prompt, once LMCache has finished writing
+    what it was given before: in a CI run the on-demand canary's chunk (stored 0.7 s earlier by
+    the canary test) reached the disk after this test had listed it, a third new file."""
+    wait_for("earlier stores on disk", lambda: _l2_stores_done(lmcache))
     before = {f.name for f in lmcache.disk.iterdir()}
     stored = metric(lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total")
     complete(offload_vllm.url, tiny_model, token_prompt(3))
     wait_for("the third prefix on disk", lambda: metric(
-        lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total") >= stored + 2)
+        lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total") >= stored + 2
+        and _l2_stores_done(lmcache))
     files = [f for f in lmcache.disk.iterdir() if f.name not in before]
     assert len(files) == 2
     for path in files:
@@ -326,6 +332,12 @@ def test_corrupt_cache_file_is_a_miss_never_wrong_kv(offload_vllm, tiny_model, l
     assert again["choices"][0]["text"] == stock_outputs[3]
     wait_for("the corrupt blocks to be counted", lambda: metric(
         offload_vllm.url, "kvops_offload_errors_total", kind="corrupt") - corrupt == 4)
+
+
+def _l2_stores_done(lmcache: Lmcache) -> bool:
+    """Every chunk LMCache submitted to its disk tier is written."""
+    return (metric(lmcache.url, "lmcache_mp_l2_store_submitted_objects_chunks_total")
+            == metric(lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total"))
 
 
 def test_an_earlier_kvops_digest_file_is_discarded_and_replaced_by_ours(
