@@ -334,10 +334,16 @@ def test_corrupt_cache_file_is_a_miss_never_wrong_kv(offload_vllm, tiny_model, l
         offload_vllm.url, "kvops_offload_errors_total", kind="corrupt") - corrupt == 4)
 
 
+def l2_stores(lmcache: Lmcache) -> tuple[float, float]:
+    """LMCache's chunks submitted to its disk tier, and those written."""
+    return (metric(lmcache.url, "lmcache_mp_l2_store_submitted_objects_chunks_total"),
+            metric(lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total"))
+
+
 def _l2_stores_done(lmcache: Lmcache) -> bool:
     """Every chunk LMCache submitted to its disk tier is written."""
-    return (metric(lmcache.url, "lmcache_mp_l2_store_submitted_objects_chunks_total")
-            == metric(lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total"))
+    submitted, completed = l2_stores(lmcache)
+    return submitted == completed
 
 
 def test_an_earlier_kvops_digest_file_is_discarded_and_replaced_by_ours(

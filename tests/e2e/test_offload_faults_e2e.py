@@ -45,6 +45,7 @@ from .test_offload_e2e import (
     DISK_GIB,
     Lmcache,
     complete,
+    l2_stores,
     metric,
     offload_want,
     reset_vllm_prefix_cache,
@@ -189,11 +190,6 @@ def faults_vllm(vllm, tiny_model, tmpfs_lmcache) -> ManagedServer:
     return faults
 
 
-def _stores(lmcache: Lmcache) -> tuple[float, float]:
-    return (metric(lmcache.url, "lmcache_mp_l2_store_submitted_objects_chunks_total"),
-            metric(lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total"))
-
-
 def _lmcache_log(lmcache: Lmcache) -> str:
     return (lmcache.root / f"lmcache-{lmcache.starts}.log").read_text(errors="replace")
 
@@ -213,14 +209,14 @@ def _assert_fault_is_survived_and_loud(server: ManagedServer, model: Path, lmcac
     wait_for("kvops_offload_disk_degraded == 1",
              lambda: metric(server.url, "kvops_offload_disk_degraded") == 1, timeout_s=60)
     failed_before = _lmcache_log(lmcache).count(STORE_FAILED)
-    submitted, completed = _stores(lmcache)
+    submitted, completed = l2_stores(lmcache)
 
     out = complete(server.url, model, token_prompt(seed))  # a new prefix: its L2 store fails
 
     assert out["choices"][0]["finish_reason"] == "length"
     wait_for("LMCache to log the failed store",
              lambda: _lmcache_log(lmcache).count(STORE_FAILED) > failed_before)
-    after_submitted, after_completed = _stores(lmcache)
+    after_submitted, after_completed = l2_stores(lmcache)
     assert after_submitted - submitted == 2
     assert after_completed == completed
     unstored = after_submitted - after_completed
@@ -237,17 +233,17 @@ def _assert_fault_is_survived_and_loud(server: ManagedServer, model: Path, lmcac
 def _assert_recovered(server: ManagedServer, model: Path, lmcache: Lmcache, seed: int) -> None:
     wait_for("kvops_offload_disk_degraded == 0",
              lambda: metric(server.url, "kvops_offload_disk_degraded") == 0, timeout_s=60)
-    submitted, completed = _stores(lmcache)
+    submitted, completed = l2_stores(lmcache)
     complete(server.url, model, token_prompt(seed))
-    wait_for("the new prefix on disk", lambda: _stores(lmcache)[1] >= completed + 2)
-    assert _stores(lmcache)[0] - _stores(lmcache)[1] == submitted - completed  # none failed
+    wait_for("the new prefix on disk", lambda: l2_stores(lmcache)[1] >= completed + 2)
+    assert l2_stores(lmcache)[0] - l2_stores(lmcache)[1] == submitted - completed  # none failed
     assert "takes writes again" in server.log_path.read_text(errors="replace")
 
 
 def test_disk_full_while_serving_recomputes_says_so_and_recovers(faults_vllm, tiny_model, tmpfs_lmcache):
     lmcache = tmpfs_lmcache
     cold = complete(faults_vllm.url, tiny_model, token_prompt(1))
-    wait_for("the first prefix on disk", lambda: _stores(lmcache)[1] >= 2)
+    wait_for("the first prefix on disk", lambda: l2_stores(lmcache)[1] >= 2)
     assert metric(faults_vllm.url, "kvops_offload_disk_degraded") == 0
     filler = _fill(lmcache.disk)
 
