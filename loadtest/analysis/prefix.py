@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from kvops.core.prom import MetricsSample, cache_int, delta, prefix_caching_enabled
+from kvops.core.prom import MetricsSample, cache_int, delta, hist_mean, prefix_caching_enabled
 from kvops.core.verdict import Verdict, healthy
 from kvops.loadtest.analysis import drift
 from kvops.loadtest.analysis.drift import block_chain
@@ -198,9 +198,21 @@ def _verdict(s: dict[str, Any], items: list[PrefixTokens], samples: list[Metrics
     usage = max((x.get("kv_usage") for x in samples), default=0.0)
     preempt = delta(samples[0], samples[-1], "preemptions") if len(samples) >= 2 else 0.0
     return Verdict("prefix-miss", "eviction", {**s, "kv_usage_max": round(usage, 4),
-                                               "preemptions": preempt},
+                                               "preemptions": preempt, **evictions(samples)},
                    "shared blocks are evicted before reuse: give the KV cache more memory or "
                    "offload it (runbooks/prefix-miss.md)")
+
+
+def evictions(samples: list[MetricsSample]) -> dict[str, float | None]:
+    """vLLM's own account of the evictions during the run, where the server runs with
+    --kv-cache-metrics (vllm:kv_block_idle_before_evict_seconds): the cached blocks it evicted,
+    of the share it samples (--kv-cache-metrics-sample, 1% by default, so a count, not a total),
+    and how long they had been idle on average. None without the flag."""
+    if len(samples) < 2 or "evict_idle_count" not in samples[-1].values:
+        return {"evicted_blocks_sampled": None, "idle_before_evict_s_mean": None}
+    mean = hist_mean(samples[0], samples[-1], "evict_idle")
+    return {"evicted_blocks_sampled": delta(samples[0], samples[-1], "evict_idle_count"),
+            "idle_before_evict_s_mean": round(mean, 3) if mean is not None else None}
 
 
 def inferred_drift(s: dict[str, Any], inferred: Inferred, tokenizer: ServerTokenizer

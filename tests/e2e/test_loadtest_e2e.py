@@ -151,6 +151,9 @@ def test_prefix_miss_from_eviction_on_a_tiny_cache(small_kv, tmp_path):
     # 1-Hz scrapes caught at most two of them, 4 of 11 blocks, was as much an eviction.)
     assert evicted > 0, evicted
     assert 0 < ev["kv_usage_max"] <= 1
+    # the verdict's evidence reads the same count over the scraped part of the run
+    assert 0 < ev["evicted_blocks_sampled"] <= evicted, (ev["evicted_blocks_sampled"], evicted)
+    assert ev["idle_before_evict_s_mean"] >= 0
 
 
 def _evicted_blocks(url: str) -> float:

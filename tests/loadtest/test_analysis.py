@@ -52,6 +52,19 @@ def _sample(t: float, **values: float) -> MetricsSample:
     return MetricsSample(t=t, values=dict(values))
 
 
+def test_evictions_are_vllms_sampled_count_and_mean_idle_time_over_the_run():
+    # 4 blocks evicted during the run after 10 s idle in all: 2.5 s each; before: 3 blocks
+    samples = [_sample(0, evict_idle_count=3, evict_idle_sum=30.0), _sample(5),
+               _sample(10, evict_idle_count=7, evict_idle_sum=40.0)]
+    assert prefix.evictions(samples) == {"evicted_blocks_sampled": 4,
+                                         "idle_before_evict_s_mean": 2.5}
+
+
+def test_evictions_are_unknown_without_kv_cache_metrics():
+    assert prefix.evictions([_sample(0, preemptions=1), _sample(10, preemptions=2)]) == {
+        "evicted_blocks_sampled": None, "idle_before_evict_s_mean": None}
+
+
 def test_kv_step_classes():
     cfg = KvExhaustionConfig(steps=[1, 2], step_s=10)
     ok = kv.StepResult(0, 1, 0, 10, 5, 0, 0.1, 0.1, 10, 0, 0.0, 1, 0.3, 0)
