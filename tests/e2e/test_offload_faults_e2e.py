@@ -236,7 +236,8 @@ def _assert_recovered(server: ManagedServer, model: Path, lmcache: Lmcache, seed
     submitted, completed = l2_stores(lmcache)
     complete(server.url, model, token_prompt(seed))
     wait_for("the new prefix on disk", lambda: l2_stores(lmcache)[1] >= completed + 2)
-    assert l2_stores(lmcache)[0] - l2_stores(lmcache)[1] == submitted - completed  # none failed
+    after_submitted, after_completed = l2_stores(lmcache)
+    assert after_submitted - after_completed == submitted - completed  # none failed
     assert "takes writes again" in server.log_path.read_text(errors="replace")
 
 
