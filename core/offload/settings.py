@@ -82,6 +82,13 @@ class OffloadSettings(BaseModel):
     (kvops.plugin.offload.integrity; CPU KV only)."""
     heartbeat_s: float = Field(default=2.0, gt=0, le=30)
     """How often the connector pings the server; a missed ping enters the degraded state."""
+    load_wait_ms: float = Field(default=20.0, ge=0, le=1000)
+    """How long the vLLM worker may sleep on a load LMCache has in flight, in a step that
+    computes nothing (every scheduled request waits for its KV), instead of returning at once.
+    vLLM steps every ~1.5 ms while loads run, and that spinning takes the CPU LMCache's copy
+    needs on a machine with few cores (``kvops bench offload`` tuning row ``load_wait_ms=0``).
+    The worker wakes as soon as the load is done; a request arriving meanwhile waits at most
+    this long to be scheduled. 0: vLLM's own polling."""
     canary_interval_s: float = Field(default=300.0, ge=0)
     """Seconds between load-path canaries (kvops.plugin.offload.canary): the front end stores a
     synthetic one-chunk prefix, loads it back through the connector and checks it; the first

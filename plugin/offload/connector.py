@@ -58,7 +58,9 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         self._kvops_to_verify: list[Any] = []
         self._kvops_failed_blocks: set[int] = set()
         self._kvops_faults: set[str] = set()
+        self._kvops_idle_step = False
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self._kvops_load_wait_s = float(extra.get(KVOPS_EXTRA_KEY, {}).get("load_wait_ms", 0)) / 1e3
         self._kvops_server = extra.get("lmcache.mp.host", "?") + f":{extra.get('lmcache.mp.port')}"
         try:
             check_still_serving(extra.get(KVOPS_EXTRA_KEY, {}))
@@ -99,6 +101,9 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
                                                    settings.get("disk_gib")))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # vLLM calls this every step; a step without a forward runs under a forward context
+        # without attention metadata (kv_connector_no_forward, gpu_model_runner.py).
+        self._kvops_idle_step = getattr(forward_context, "attn_metadata", None) is None
         started = time.perf_counter()
         with self._kvops_guard("load_bookkeeping"):
             for meta, tokens in self._kvops_moves("RETRIEVE"):
@@ -109,6 +114,8 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         """Loads are asynchronous: their latency runs from submit to LMCache reporting them done.
         Their blocks are checked in get_block_ids_with_load_errors, which vLLM calls after this
         in the same step (kv_connector_model_runner_mixin.py) with the blocks that failed."""
+        with self._kvops_guard("load_wait"):
+            self._kvops_wait_for_a_load()
         sending, receiving = super().get_finished(finished_req_ids)
         with self._kvops_guard("load_bookkeeping"):
             now = time.perf_counter()
@@ -119,6 +126,19 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
                 if meta is not None:
                     self._kvops_to_verify.append(meta)
         return sending, receiving
+
+    def _kvops_wait_for_a_load(self) -> None:
+        """In a step that computes nothing, sleep on the oldest load in flight (load_wait_ms at
+        most) rather than hand the engine an empty step at once: vLLM would step again ~1.5 ms
+        later, and its worker and engine core would keep two cores busy while LMCache's copy
+        waits for one. Loads end in LMCache's receiver thread, which sets the future's event."""
+        idle, self._kvops_idle_step = self._kvops_idle_step, False
+        if not (idle and self._kvops_load_wait_s > 0):
+            return
+        in_flight = getattr(getattr(self, "worker_adapter", None), "retrieve_futures", None)
+        if in_flight:
+            future, _ = next(iter(in_flight.values()))
+            future.wait(self._kvops_load_wait_s)
 
     def wait_for_save(self) -> None:
         """Stores hand KV over inside the step (vLLM may reuse the blocks afterwards). Nothing of
