@@ -9,6 +9,8 @@ L1), (d) again after also clearing L1 (disk); ratios are medians of c/a and d/a.
 miss is measured apart, in interleaved ABBA blocks of fresh prompts (no connector, offload,
 offload, no connector): a slow stretch of the shared machine hits both sides of a block alike.
 ``miss_overhead_ratio`` is the median of the blocks' ratios, reported with their spread.
+``hit_time_split_s`` and ``miss_time_split_s`` say where the time goes, from vLLM's own queue,
+prefill and TTFT histograms read around the hits and the miss blocks (TIME_SPLIT).
 
 Variants, one offload server after another beside the one no-connector server (the same
 model, prompts and baseline, so their ratios compare): the product default (transfer_mode auto,
@@ -35,7 +37,15 @@ import requests
 from kvops.core.errors import BadInputError, KvopsError
 from kvops.core.offload.settings import OffloadSettings, TransferModeSetting
 from kvops.core.proc import free_port
-from kvops.core.prom import Samples, info_labels, samples_by_name, selector_sum
+from kvops.core.prom import (
+    MetricsSample,
+    Samples,
+    delta,
+    info_labels,
+    samples_by_name,
+    scrape,
+    selector_sum,
+)
 from kvops.core.units import GIB
 from kvops.ops.bench.offload_report import Knob, Measured, assemble, variant_result
 from kvops.ops.launch import ManagedServer, vllm_server
@@ -57,6 +67,12 @@ answered is idle again when the other one is measured."""
 OUTPUT_TOKENS = 8
 KV_CACHE_BYTES = GIB
 KV_BYTES_PER_TOKEN = 2 * REFERENCE_SHAPE.layers * REFERENCE_SHAPE.kv_heads * REFERENCE_SHAPE.head_dim * 2
+TIME_SPLIT = ("queue", "prefill", "ttft")
+"""Where a request's time goes, from vLLM's own histograms (kvops.core.prom.HISTOGRAMS), read
+around the requests measured: queue (arrival to scheduled: the connector's lookup, and a hit's
+load, run while the request waits), prefill (scheduled to first token: the step, with the
+connector's store hand-over and block checksums), ttft (the engine's, without the HTTP front
+end's share of the TTFT the client sees)."""
 SERVER_ARGS = ("--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--max-num-seqs", "4")
 
 
@@ -83,6 +99,9 @@ KNOBS = (
          "never wrong KV); measures what the xxh3 digest of every stored and loaded block costs"),
     Knob("chunk_size", 512, 256,
          "tokens per LMCache chunk: half as many chunks, RPC entries and keys per prompt"),
+    Knob("load_wait_ms", 0, OffloadSettings().load_wait_ms,
+         "vLLM's own polling: while loads run, the worker hands back an empty step at once "
+         "(one every ~1.5 ms) instead of sleeping on the load"),
     Knob("lmcache_server_threads", 1, torch_default_threads(),
          "torch threads of the `lmcache server` process (OMP_NUM_THREADS=1 in its environment): "
          "its per-layer copy into vLLM's KV (lmcache_driven) runs on them while vLLM's own "
@@ -168,12 +187,17 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
                          name="vllm-offload")
     try:
         server.start()
+        sides = (("no_connector", bench.baseline.url), ("offload", server.url))
         mode = _transfer_mode_of(samples_by_name(requests.get(server.url + "/metrics", timeout=10).text))
         tiers = _measure_tiers(server, lmcache, model, bench.prompts, settings.chunk_size)
         if not bench.baseline_runs:
             bench.baseline_runs = [ttft(bench.baseline.url, model, p) for p in bench.prompts][1:]
+        before = {side: scrape(url) for side, url in sides}
         misses = _measure_misses(server, lmcache, bench.baseline, model, settings.chunk_size,
                                  miss_seed)
+        miss_split = _TimeSplit()
+        for side, url in sides:
+            miss_split.add(side, before[side], scrape(url))
         metrics = samples_by_name(requests.get(server.url + "/metrics", timeout=10).text)
     finally:
         server.stop()
@@ -186,7 +210,8 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
                             "kvops_offload_load_seconds_sum"),
         store_gb_per_s=_rate(metrics, "kvops_offload_stored_bytes_total",
                              "kvops_offload_store_seconds_sum"),
-        settings=settings.model_dump(),
+        settings=settings.model_dump(), miss_split=miss_split.means(),
+        hit_split=tiers["split"].means(),
     )
     return measured, _mode_line(log)
 
@@ -209,6 +234,7 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
                    prompts: list[list[int]], chunk_size: int) -> dict[str, Any]:
     runs: dict[str, list[tuple[float, str]]] = {"cold": [], "l1": [], "disk": []}
     hits = {"l1": 0.0, "disk": 0.0}
+    split, engine = _TimeSplit(), {}
     chunks = PROMPT_TOKENS // chunk_size
     for index, prompt in enumerate(prompts):
         cold = ttft(server.url, model, prompt)
@@ -219,12 +245,14 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
 
         _wait(stored)
         _post(server.url + "/reset_prefix_cache")
-        before = _lmcache(lmcache)
+        before, engine["before_l1"] = _lmcache(lmcache), scrape(server.url)
         l1 = ttft(server.url, model, prompt)
+        engine["l1"] = _settled(server.url, engine["before_l1"])
         _post(lmcache.url + "/cache/clear")
         _post(server.url + "/reset_prefix_cache")
-        middle = _lmcache(lmcache)
+        middle, engine["before_disk"] = _lmcache(lmcache), scrape(server.url)
         disk = ttft(server.url, model, prompt)
+        engine["disk"] = _settled(server.url, engine["before_disk"])
         after = _lmcache(lmcache)
         _post(server.url + "/reset_prefix_cache")
         if index == 0:
@@ -234,7 +262,37 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
         runs["disk"].append(disk)
         hits["l1"] += middle["hit_tokens_l1"] - before["hit_tokens_l1"]
         hits["disk"] += after["hit_tokens_l2"] - middle["hit_tokens_l2"]
-    return {"runs": runs, "hits": hits}
+        for tier in ("l1", "disk"):
+            split.add(tier, engine[f"before_{tier}"], engine[tier])
+    return {"runs": runs, "hits": hits, "split": split}
+
+
+class _TimeSplit:
+    """vLLM's mean TIME_SPLIT seconds per label, over the windows added for it."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, dict[str, float]] = {}
+
+    def add(self, label: str, first: MetricsSample, last: MetricsSample) -> None:
+        totals = self.totals.setdefault(label, {})
+        for key in TIME_SPLIT:
+            for part in ("_sum", "_count"):
+                totals[key + part] = totals.get(key + part, 0.0) + delta(first, last, key + part)
+
+    def means(self) -> dict[str, dict[str, float | None]]:
+        return {label: {key: t[key + "_sum"] / t[key + "_count"] if t[key + "_count"] else None
+                        for key in TIME_SPLIT} for label, t in self.totals.items()}
+
+
+def _settled(url: str, before: MetricsSample, timeout_s: float = 10.0) -> MetricsSample:
+    """A scrape that counts the request finished after ``before`` (vLLM records a request's
+    histograms as its output is processed, which may trail the end of the stream)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sample = scrape(url)
+        if delta(before, sample, "prefill_count") >= 1 or time.monotonic() > deadline:
+            return sample
+        time.sleep(0.05)
 
 
 def _measure_misses(server: ManagedServer, lmcache: ManagedServer, baseline: ManagedServer,

@@ -36,6 +36,11 @@ class Measured:
     load_gb_per_s: float
     store_gb_per_s: float
     settings: dict[str, Any] = field(default_factory=dict)
+    miss_split: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    """{"no_connector", "offload"} -> vLLM's own mean queue / prefill / TTFT seconds of the miss
+    requests (its histograms, read before and after the miss blocks)."""
+    hit_split: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    """{"l1", "disk"} -> the same of the offload server's hits."""
 
 
 def miss_block_ratios(ttfts: dict[str, list[float]]) -> list[float]:
@@ -69,6 +74,8 @@ def variant_result(m: Measured, memcpy_gb_per_s: float) -> dict[str, Any]:
         "disk_ttft_ratio_per_prompt": per_prompt["disk"],
         "miss_ttft_s": {"no_connector": statistics.median(m.misses["baseline"]),
                         "offload": statistics.median(m.misses["offload"])},
+        "miss_time_split_s": m.miss_split,
+        "hit_time_split_s": m.hit_split,
         "copy_fraction_of_memcpy": m.load_gb_per_s / memcpy_gb_per_s,
         # lmcache_driven stores are submitted in the step and copied later by the server, so the
         # step time says nothing about copy speed there.
@@ -88,7 +95,8 @@ def mode_entry(result: dict[str, Any]) -> dict[str, Any]:
     """What ``modes`` shows per transfer mode: the ratio keys and the evidence beside them."""
     keys = (*RATIO_KEYS, "miss_overhead_spread", "miss_overhead_blocks", "l1_ttft_ratio_per_prompt",
             "disk_ttft_ratio_per_prompt", "store_fraction_of_memcpy", "outputs_identical",
-            "ttft_s", "hit_tokens_per_request")
+            "ttft_s", "hit_tokens_per_request", "miss_time_split_s",
+            "hit_time_split_s")
     return {key: result[key] for key in keys}
 
 

@@ -40,7 +40,7 @@ def test_spread_orders_the_blocks():
 
 
 def _measured(mode: str, l1: float, miss: float, load_gb_s: float = 1.0,
-              text: str = "w5 w6") -> Measured:
+              text: str = "w5 w6", split: dict | None = None) -> Measured:
     """Three prompts, cold 2 s each, L1 hits at ``l1`` of cold (+-1%), disk hits at 0.1; the
     no-connector side 1 s per miss round, offload ``1 + miss`` (+-1% per block)."""
     cold = [(2.0, text)] * 3
@@ -49,7 +49,7 @@ def _measured(mode: str, l1: float, miss: float, load_gb_s: float = 1.0,
               "offload": [(1 + miss) * f for f in (0.99, 0.99, 1.0, 1.0, 1.0, 1.0, 1.01, 1.01)]}
     return Measured(transfer_mode=mode, runs={"cold": cold, "l1": hits, "disk": [(0.2, text)] * 3},
                     baseline=[(1.9, "w5 w6")] * 3, misses=misses, hits={"l1": 6144.0, "disk": 6144.0},
-                    load_gb_per_s=load_gb_s, store_gb_per_s=0.5)
+                    load_gb_per_s=load_gb_s, store_gb_per_s=0.5, miss_split=split or {})
 
 
 def _report(default: Measured, other: Measured, tuned: list[tuple[Knob, Measured]]) -> dict:
@@ -62,7 +62,8 @@ def _report(default: Measured, other: Measured, tuned: list[tuple[Knob, Measured
 
 def test_the_default_variant_gives_the_contract_keys_and_both_modes_sit_side_by_side():
     report = _report(_measured("lmcache_driven", l1=0.05, miss=0.02, load_gb_s=1.5),
-                     _measured("engine_driven", l1=0.25, miss=0.20, load_gb_s=0.1), [])
+                     _measured("engine_driven", l1=0.25, miss=0.20, load_gb_s=0.1,
+                               split={"offload": {"queue": 0.01, "prefill": 1.2, "ttft": 1.21}}), [])
     assert CONTRACT_KEYS <= report.keys()
     assert report["transfer_mode"] == "lmcache_driven"
     assert report["transfer_mode_setting"] == "auto"
@@ -78,6 +79,7 @@ def test_the_default_variant_gives_the_contract_keys_and_both_modes_sit_side_by_
     assert modes["engine_driven"]["miss_overhead_ratio"] == pytest.approx(0.20, abs=0.013)
     assert modes["engine_driven"]["store_fraction_of_memcpy"] == pytest.approx(0.05)
     assert modes["lmcache_driven"]["l1_ttft_ratio"] == report["l1_ttft_ratio"]
+    assert modes["engine_driven"]["miss_time_split_s"]["offload"]["queue"] == 0.01
     assert report["tuning"] == []
 
 
