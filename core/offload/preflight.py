@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import tempfile
 import urllib.error
@@ -281,18 +282,67 @@ def choose_transfer_mode(wanted: str, server_mode: str, kv_cache_bytes: int | No
     if wanted != "auto":
         if wanted == "lmcache_driven":
             check_shm(kv_cache_bytes, shm)
+            return TransferChoice(wanted, "set in kvops.offload.transfer_mode; " + huge_pages_note(shm))
         return TransferChoice(wanted, "set in kvops.offload.transfer_mode")
     fallback = _no_zero_copy(server_mode, kv_cache_bytes, device, shm)
     if fallback is None:
         assert kv_cache_bytes is not None
         return TransferChoice("lmcache_driven", (
             f"zero-copy: the KV cache ({kv_cache_bytes / GIB:.2f} GiB) fits the free space of "
-            f"{shm} ({_free(shm) / GIB:.2f} GiB)"))
+            f"{shm} ({_free(shm) / GIB:.2f} GiB); {huge_pages_note(shm)}"))
     if server_mode == "lmcache_driven":
         raise KvopsPluginError(
             f"the LMCache server accepts only lmcache_driven but it cannot work here ({fallback}): "
             "restart it with --supported-transfer-mode auto (`kvops offload serve` does)")
     return TransferChoice("engine_driven", fallback)
+
+
+SHMEM_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+
+
+def shm_huge_pages(shm: Path = SHM_PATH, mounts: Path = Path("/proc/mounts"),
+                   shmem_enabled: Path = SHMEM_ENABLED) -> str | None:
+    """The ``huge=`` policy of the tmpfs holding ``shm`` ("never" when the mount names none, as
+    tmpfs defaults; the kernel's ``deny`` or ``force`` overrides every mount), or None when it
+    is not a tmpfs or the mount table cannot be read."""
+    try:
+        override = re.search(r"\[(deny|force)\]", shmem_enabled.read_text())
+    except OSError:
+        override = None
+    try:
+        table = mounts.read_text()
+    except OSError:
+        return None
+    target, best = str(shm.resolve()) if shm.exists() else str(shm), None
+    for line in table.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (target == point or target.startswith(point.rstrip("/") + "/")) and (
+                best is None or len(point) >= len(best[0])):
+            best = (point, fields[2], fields[3])
+    if best is None or best[1] != "tmpfs":
+        return None
+    if override:
+        return override.group(1)
+    options = dict(option.partition("=")[::2] for option in best[2].split(","))
+    return options.get("huge") or "never"
+
+
+def huge_pages_note(shm: Path = SHM_PATH, mounts: Path = Path("/proc/mounts"),
+                    shmem_enabled: Path = SHMEM_ENABLED) -> str:
+    """What zero-copy loads pay for the pages of vLLM's KV segment in ``shm``, in a few words
+    (advise counts as none: neither vLLM nor LMCache asks for huge pages)."""
+    policy = shm_huge_pages(shm, mounts, shmem_enabled)
+    if policy is None:
+        return f"huge pages of {shm}: unknown (not a tmpfs, or /proc/mounts unreadable)"
+    if policy not in ("never", "deny", "advise"):
+        return f"{shm} uses huge pages (huge={policy})"
+    fix = ("the kernel's transparent_hugepage/shmem_enabled is deny" if policy == "deny" else
+           f"`mount -o remount,huge=within_size {shm}` gives it 2 MiB pages")
+    return (f"{shm} has no huge pages (huge={policy}): the LMCache server's first load into each "
+            f"4 KiB page of vLLM's KV faults it in; {fix} (faster loads: kvops bench offload)")
 
 
 def _no_zero_copy(server_mode: str, kv_cache_bytes: int | None, device: str,

@@ -35,6 +35,7 @@ from typing import Any, cast, get_args
 import requests
 
 from kvops.core.errors import BadInputError, KvopsError
+from kvops.core.offload.preflight import shm_huge_pages
 from kvops.core.offload.settings import OffloadSettings, TransferModeSetting
 from kvops.core.proc import free_port
 from kvops.core.prom import (
@@ -140,6 +141,7 @@ def run() -> dict[str, Any]:
         "transfer_mode_setting": wanted,
         "transfer_mode_reason": reason,
         "memcpy_gb_per_s": memcpy,
+        "shm_huge_pages": shm_huge_pages(),
         **digests,
     }
     report = assemble(results[default.transfer_mode], results,

@@ -6,6 +6,8 @@ answers on GET /config and /config/adapters (captured from `kvops offload serve`
 from __future__ import annotations
 
 import copy
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,8 @@ from kvops.core.offload.preflight import (
     check_shm,
     choose_transfer_mode,
     cpu_kv_cache_bytes,
+    huge_pages_note,
+    shm_huge_pages,
 )
 from kvops.core.offload.settings import OffloadSettings
 from kvops.core.settings import load_settings
@@ -157,6 +161,57 @@ def test_auto_falls_back_to_engine_driven_with_one_reason(tmp_path, server_mode,
     assert choice.mode == "engine_driven"
     assert reason in choice.reason
     assert "\n" not in choice.reason
+
+
+MOUNTS = """overlay / overlay rw,relatime,lowerdir=/l,upperdir=/u 0 0
+tmpfs /dev/shm tmpfs rw,nosuid,nodev,size=65536k 0 0
+tmpfs /dev/shm/with\\040huge tmpfs rw,relatime,huge=within_size 0 0
+"""
+
+
+@pytest.mark.parametrize(("shm", "kernel", "expected"), [
+    ("/dev/shm", "always within_size advise [never] deny force", "never"),
+    ("/dev/shm/with huge", "always within_size advise [never] deny force", "within_size"),
+    ("/dev/shm/with huge/deeper", "always within_size advise [never] deny force", "within_size"),
+    ("/dev/shm", "always within_size advise never deny [force]", "force"),
+    ("/dev/shm/with huge", "always within_size advise never [deny] force", "deny"),
+    ("/var/tmp", "always within_size advise [never] deny force", None),
+])
+def test_huge_pages_are_the_policy_of_the_tmpfs_holding_shm(tmp_path, shm, kernel, expected):
+    """A /proc/mounts and a transparent_hugepage/shmem_enabled as the kernel writes them."""
+    (tmp_path / "mounts").write_text(MOUNTS)
+    (tmp_path / "shmem_enabled").write_text(kernel + "\n")
+    assert shm_huge_pages(Path(shm), tmp_path / "mounts", tmp_path / "shmem_enabled") == expected
+
+
+@pytest.mark.parametrize(("shm", "kernel", "says"), [
+    ("/dev/shm", "[never]", "`mount -o remount,huge=within_size /dev/shm`"),
+    ("/dev/shm/with huge", "[never]", "uses huge pages (huge=within_size)"),
+    ("/dev/shm", "[deny]", "shmem_enabled is deny"),
+    ("/var/tmp", "[never]", "unknown"),
+])
+def test_the_zero_copy_line_says_what_loads_pay_for_pages(tmp_path, shm, kernel, says):
+    (tmp_path / "mounts").write_text(MOUNTS)
+    (tmp_path / "shmem_enabled").write_text(kernel)
+    note = huge_pages_note(Path(shm), tmp_path / "mounts", tmp_path / "shmem_enabled")
+    assert says in note
+    assert "\n" not in note
+
+
+def test_huge_pages_of_this_machines_dev_shm_match_findmnt():
+    """Oracle: util-linux's findmnt reads the same mount; the kernel's shmem_enabled overrides."""
+    kernel = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    if not shutil.which("findmnt") or not kernel.exists():
+        pytest.skip("needs findmnt and a kernel with transparent huge pages (Linux)")
+    options = subprocess.run(["findmnt", "-no", "FSTYPE,OPTIONS", "/dev/shm"], check=True,
+                             capture_output=True, text=True).stdout.split()
+    override = next((p.strip("[]") for p in kernel.read_text().split()
+                     if p in ("[deny]", "[force]")), None)
+    huge = next((o.split("=", 1)[1] for o in options[1].split(",") if o.startswith("huge=")), "never")
+    expected = None if options[0] != "tmpfs" else override or huge
+    assert shm_huge_pages(Path("/dev/shm")) == expected
+    choice = choose_transfer_mode("auto", "auto", 1 << 20, "cpu")
+    assert choice.reason.endswith(huge_pages_note())
 
 
 def test_explicit_modes_are_kept_and_checked(tmp_path: Path):
