@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvops.core.fp8.scales import fp8_kv_support, read_cpu_flags
+from kvops.core.offload.preflight import huge_pages_note, shm_huge_pages
 from kvops.core.units import GIB
 
 SUPPORTED_VLLM_MINOR = "0.32"
@@ -156,7 +157,11 @@ def check_shm(inputs: DoctorInputs) -> CheckRow:
         return CheckRow("/dev/shm", "warn", "missing", "zero-copy offload (lmcache_driven) needs /dev/shm")
     free_gib = stat.f_bavail * stat.f_frsize / GIB
     if free_gib >= inputs.shm_needed_gib:
-        return CheckRow("/dev/shm", "ok", f"{free_gib:.1f} GiB free")
+        policy = shm_huge_pages(Path("/dev/shm"))
+        if policy in ("never", "deny", "advise"):
+            return CheckRow("/dev/shm", "warn", f"{free_gib:.1f} GiB free, no huge pages (huge={policy})",
+                            huge_pages_note(Path("/dev/shm")).split(": ", 1)[1])
+        return CheckRow("/dev/shm", "ok", f"{free_gib:.1f} GiB free, huge pages {policy or 'unknown'}")
     return CheckRow(
         "/dev/shm", "warn", f"{free_gib:.1f} GiB free < {inputs.shm_needed_gib:g} GiB KV cache",
         "zero-copy offload needs /dev/shm ≥ the KV cache: raise it (docker --shm-size) or use "
