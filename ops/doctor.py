@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvops.core.fp8.scales import fp8_kv_support, read_cpu_flags
-from kvops.core.offload.preflight import huge_pages_note, shm_huge_pages
+from kvops.core.offload.preflight import NO_HUGE_PAGES, huge_pages_fix, shm_huge_pages
 from kvops.core.units import GIB
 
 SUPPORTED_VLLM_MINOR = "0.32"
@@ -158,9 +158,9 @@ def check_shm(inputs: DoctorInputs) -> CheckRow:
     free_gib = stat.f_bavail * stat.f_frsize / GIB
     if free_gib >= inputs.shm_needed_gib:
         policy = shm_huge_pages(Path("/dev/shm"))
-        if policy in ("never", "deny", "advise"):
+        if policy in NO_HUGE_PAGES:
             return CheckRow("/dev/shm", "warn", f"{free_gib:.1f} GiB free, no huge pages (huge={policy})",
-                            huge_pages_note(Path("/dev/shm")).split(": ", 1)[1])
+                            huge_pages_fix(policy, Path("/dev/shm")))
         return CheckRow("/dev/shm", "ok", f"{free_gib:.1f} GiB free, huge pages {policy or 'unknown'}")
     return CheckRow(
         "/dev/shm", "warn", f"{free_gib:.1f} GiB free < {inputs.shm_needed_gib:g} GiB KV cache",

@@ -330,19 +330,28 @@ def shm_huge_pages(shm: Path = SHM_PATH, mounts: Path = Path("/proc/mounts"),
     return options.get("huge") or "never"
 
 
+NO_HUGE_PAGES = ("never", "deny", "advise")
+"""Policies under which vLLM's KV segment gets 4 KiB pages (advise counts: neither vLLM nor
+LMCache asks for huge pages)."""
+
+
 def huge_pages_note(shm: Path = SHM_PATH, mounts: Path = Path("/proc/mounts"),
                     shmem_enabled: Path = SHMEM_ENABLED) -> str:
-    """What zero-copy loads pay for the pages of vLLM's KV segment in ``shm``, in a few words
-    (advise counts as none: neither vLLM nor LMCache asks for huge pages)."""
+    """What zero-copy loads pay for the pages of vLLM's KV segment in ``shm``, in a few words."""
     policy = shm_huge_pages(shm, mounts, shmem_enabled)
     if policy is None:
         return f"huge pages of {shm}: unknown (not a tmpfs, or /proc/mounts unreadable)"
-    if policy not in ("never", "deny", "advise"):
+    if policy not in NO_HUGE_PAGES:
         return f"{shm} uses huge pages (huge={policy})"
+    return f"{shm} has no huge pages (huge={policy}): {huge_pages_fix(policy, shm)}"
+
+
+def huge_pages_fix(policy: str, shm: Path = SHM_PATH) -> str:
+    """Why a policy of NO_HUGE_PAGES slows zero-copy loads, and what gives ``shm`` huge pages."""
     fix = ("the kernel's transparent_hugepage/shmem_enabled is deny" if policy == "deny" else
            f"`mount -o remount,huge=within_size {shm}` gives it 2 MiB pages")
-    return (f"{shm} has no huge pages (huge={policy}): the LMCache server's first load into each "
-            f"4 KiB page of vLLM's KV faults it in; {fix} (faster loads: kvops bench offload)")
+    return (f"the LMCache server's first load into each 4 KiB page of vLLM's KV faults it in; "
+            f"{fix} (faster loads: kvops bench offload)")
 
 
 def _no_zero_copy(server_mode: str, kv_cache_bytes: int | None, device: str,
