@@ -236,7 +236,7 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
                    prompts: list[list[int]], chunk_size: int) -> dict[str, Any]:
     runs: dict[str, list[tuple[float, str]]] = {"cold": [], "l1": [], "disk": []}
     hits = {"l1": 0.0, "disk": 0.0}
-    split, engine = _TimeSplit(), {}
+    split = _TimeSplit()
     chunks = PROMPT_TOKENS // chunk_size
     for index, prompt in enumerate(prompts):
         cold = ttft(server.url, model, prompt)
@@ -247,14 +247,14 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
 
         _wait(stored)
         _post(server.url + "/reset_prefix_cache")
-        before, engine["before_l1"] = _lmcache(lmcache), scrape(server.url)
+        before, l1_first = _lmcache(lmcache), scrape(server.url)
         l1 = ttft(server.url, model, prompt)
-        engine["l1"] = _settled(server.url, engine["before_l1"])
+        l1_last = _settled(server.url, l1_first)
         _post(lmcache.url + "/cache/clear")
         _post(server.url + "/reset_prefix_cache")
-        middle, engine["before_disk"] = _lmcache(lmcache), scrape(server.url)
+        middle, disk_first = _lmcache(lmcache), scrape(server.url)
         disk = ttft(server.url, model, prompt)
-        engine["disk"] = _settled(server.url, engine["before_disk"])
+        disk_last = _settled(server.url, disk_first)
         after = _lmcache(lmcache)
         _post(server.url + "/reset_prefix_cache")
         if index == 0:
@@ -264,8 +264,8 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
         runs["disk"].append(disk)
         hits["l1"] += middle["hit_tokens_l1"] - before["hit_tokens_l1"]
         hits["disk"] += after["hit_tokens_l2"] - middle["hit_tokens_l2"]
-        for tier in ("l1", "disk"):
-            split.add(tier, engine[f"before_{tier}"], engine[tier])
+        split.add("l1", l1_first, l1_last)
+        split.add("disk", disk_first, disk_last)
     return {"runs": runs, "hits": hits, "split": split}
 
 
