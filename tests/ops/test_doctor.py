@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
-import pytest
 from fp8_cpu import CPU_RUNS_FP8
+from shm_mount import findmnt_huge_policy
 from typer.testing import CliRunner
 
 from kvops.ops.cli.main import app
@@ -64,20 +62,14 @@ def test_fp8_row_matches_this_cpu(tmp_path: Path):
 
 
 def test_shm_row_warns_without_huge_pages_as_findmnt_sees_the_mount(tmp_path: Path):
-    """Oracle: util-linux's findmnt on /dev/shm (the kernel's shmem_enabled deny/force aside).
-    No huge pages is a warning with the remount to do, never a failure."""
-    kernel = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-    if not shutil.which("findmnt") or not kernel.exists():
-        pytest.skip("needs findmnt and a kernel with transparent huge pages (Linux)")
-    if "[deny]" in kernel.read_text() or "[force]" in kernel.read_text():
-        pytest.skip("the kernel overrides every tmpfs mount's huge= option here")
-    options = subprocess.run(["findmnt", "-no", "OPTIONS", "/dev/shm"], check=True,
-                             capture_output=True, text=True).stdout.strip().split(",")
-    huge = next((o.split("=", 1)[1] for o in options if o.startswith("huge=")), "never")
+    """Oracle: util-linux's findmnt on /dev/shm, the kernel's shmem_enabled deny/force over it.
+    No huge pages is a warning with what gives them, never a failure."""
+    huge = findmnt_huge_policy()
     row = check_shm(DoctorInputs(offload_dir=tmp_path, shm_needed_gib=0.001))
-    if huge in ("never", "advise"):
+    if huge in ("never", "advise", "deny"):
         assert (row.status, f"huge={huge}") == ("warn", row.found.split("(")[-1].rstrip(")"))
-        assert "mount -o remount,huge=within_size /dev/shm" in row.fix
+        assert ("shmem_enabled is deny" if huge == "deny" else
+                "mount -o remount,huge=within_size /dev/shm") in row.fix
     else:
         assert row.status == "ok"
         assert row.found.endswith(f"huge pages {huge}")

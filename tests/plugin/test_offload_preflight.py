@@ -6,12 +6,11 @@ answers on GET /config and /config/adapters (captured from `kvops offload serve`
 from __future__ import annotations
 
 import copy
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+from shm_mount import findmnt_huge_policy
 
 from kvops.core.errors import KvopsPluginError
 from kvops.core.offload.preflight import (
@@ -200,15 +199,7 @@ def test_the_zero_copy_line_says_what_loads_pay_for_pages(tmp_path, shm, kernel,
 
 def test_huge_pages_of_this_machines_dev_shm_match_findmnt():
     """Oracle: util-linux's findmnt reads the same mount; the kernel's shmem_enabled overrides."""
-    kernel = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-    if not shutil.which("findmnt") or not kernel.exists():
-        pytest.skip("needs findmnt and a kernel with transparent huge pages (Linux)")
-    options = subprocess.run(["findmnt", "-no", "FSTYPE,OPTIONS", "/dev/shm"], check=True,
-                             capture_output=True, text=True).stdout.split()
-    override = next((p.strip("[]") for p in kernel.read_text().split()
-                     if p in ("[deny]", "[force]")), None)
-    huge = next((o.split("=", 1)[1] for o in options[1].split(",") if o.startswith("huge=")), "never")
-    expected = None if options[0] != "tmpfs" else override or huge
+    expected = findmnt_huge_policy()
     assert shm_huge_pages(Path("/dev/shm")) == expected
     choice = choose_transfer_mode("auto", "auto", 1 << 20, "cpu")
     assert choice.reason.endswith(huge_pages_note())
