@@ -5,7 +5,13 @@ One run, real processes, the reference shape of research/offload_bench.md (8 lay
 1024, 8 KV heads x head_dim 128 = 32 KiB of KV per token) so the ratios compare with the
 measurements there. The offload server and a server without the connector stay up side by side.
 Per prompt: (a) cold through the offload server, (c) again after /reset_prefix_cache (LMCache
-L1), (d) again after also clearing L1 (disk); ratios are medians of c/a and d/a. The cost of a
+L1), (d) again after also clearing L1 (disk); ratios are medians of c/a and d/a. Measured twice
+per server: ``first_pass`` on the fresh server, then, after serving prompts until vLLM has handed
+out every KV block once (CYCLE_PROMPTS), the top-level ratios, as a server that has been in
+service a while sees them. In zero-copy (lmcache_driven) the LMCache server maps each page of
+vLLM's KV segment on its first copy there, one 4 KiB page fault per page (a 2k-token load: 16,384
+faults) unless /dev/shm gives huge pages; ``server_page_faults_per_load`` counts them (the
+kernel's count for the LMCache server's processes around each hit). The cost of a
 miss is measured apart, in interleaved ABBA blocks of fresh prompts (no connector, offload,
 offload, no connector): a slow stretch of the shared machine hits both sides of a block alike.
 ``miss_overhead_ratio`` is the median of the blocks' ratios, reported with their spread.
@@ -29,6 +35,8 @@ import random
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast, get_args
 
@@ -37,7 +45,7 @@ import requests
 from kvops.core.errors import BadInputError, KvopsError
 from kvops.core.offload.preflight import shm_huge_pages
 from kvops.core.offload.settings import OffloadSettings, TransferModeSetting
-from kvops.core.proc import free_port
+from kvops.core.proc import free_port, group_minor_faults
 from kvops.core.prom import (
     MetricsSample,
     Samples,
@@ -48,7 +56,7 @@ from kvops.core.prom import (
     selector_sum,
 )
 from kvops.core.units import GIB
-from kvops.ops.bench.offload_report import Knob, Measured, assemble, variant_result
+from kvops.ops.bench.offload_report import FirstPass, Knob, Measured, assemble, variant_result
 from kvops.ops.launch import ManagedServer, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 from kvops.ops.offload.server import lmcache_server
@@ -68,6 +76,11 @@ answered is idle again when the other one is measured."""
 OUTPUT_TOKENS = 8
 KV_CACHE_BYTES = GIB
 KV_BYTES_PER_TOKEN = 2 * REFERENCE_SHAPE.layers * REFERENCE_SHAPE.kv_heads * REFERENCE_SHAPE.head_dim * 2
+CYCLE_PROMPTS = KV_CACHE_BYTES // (PROMPT_TOKENS * KV_BYTES_PER_TOKEN) + 1
+"""Fresh prompts served between the first pass and the measured one: one more than vLLM's KV
+cache holds, so its allocator (free blocks are handed out oldest first) gives out every block
+once and LMCache stores (copies, so maps) each of them."""
+CYCLE_SEED = 10_000
 TIME_SPLIT = ("queue", "prefill", "ttft")
 """Where a request's time goes, from vLLM's own histograms (kvops.core.prom.HISTOGRAMS), read
 around the requests measured: queue (arrival to scheduled: the connector's lookup, and a hit's
@@ -116,12 +129,12 @@ def run() -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvops-bench-offload-") as tmp:
         root = Path(tmp)
         model = build_tiny_model(root / "model", REFERENCE_SHAPE)
-        prompts = [_prompt(seed) for seed in range(REPEATS + 1)]  # [0] warms up
+        prompts = [_prompt(seed) for seed in range(2 * REPEATS + 1)]  # [0] warms up
         baseline = vllm_server(model, SERVER_ARGS, log_path=root / "vllm-baseline.log",
                                kv_cache_bytes=KV_CACHE_BYTES, name="vllm-baseline")
         try:
             baseline.start()
-            bench = _Bench(model, prompts, root, baseline)
+            bench = _Bench(model, prompts[:REPEATS + 1], prompts[REPEATS + 1:], root, baseline)
             default, reason = bench.measure("default", {"transfer_mode": wanted})
             other = "engine_driven" if default.transfer_mode == "lmcache_driven" else "lmcache_driven"
             other_mode, _ = bench.measure(other, {"transfer_mode": other})
@@ -153,9 +166,12 @@ def run() -> dict[str, Any]:
 class _Bench:
     """Starts one offload variant at a time against the shared no-connector server."""
 
-    def __init__(self, model: Path, prompts: list[list[int]], root: Path,
-                 baseline: ManagedServer) -> None:
+    def __init__(self, model: Path, prompts: list[list[int]], steady_prompts: list[list[int]],
+                 root: Path, baseline: ManagedServer) -> None:
+        """``prompts``: the first pass's, [0] warms up; ``steady_prompts``: the measured pass's
+        (others: the first pass stored its prompts in LMCache)."""
         self.model, self.prompts, self.root, self.baseline = model, prompts, root, baseline
+        self.steady_prompts = steady_prompts
         self.baseline_runs: list[tuple[float, str]] = []
         self.variants = 0
 
@@ -165,7 +181,7 @@ class _Bench:
         directory = self.root / name.replace("=", "-")
         settings = OffloadSettings(
             port=free_port(), http_port=free_port(), l1_gib=1.0,
-            disk_path=str(directory / "l2"), disk_gib=2.0, **overrides,
+            disk_path=str(directory / "l2"), disk_gib=4.0, **overrides,
         )
         self.variants += 1
         return _measure(self, settings, directory, miss_seed=100 + 20 * self.variants,
@@ -191,9 +207,14 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
         server.start()
         sides = (("no_connector", bench.baseline.url), ("offload", server.url))
         mode = _transfer_mode_of(samples_by_name(requests.get(server.url + "/metrics", timeout=10).text))
-        tiers = _measure_tiers(server, lmcache, model, bench.prompts, settings.chunk_size)
+        first = _measure_tiers(server, lmcache, model, bench.prompts, settings.chunk_size,
+                               warm_up=True)
+        _cycle_kv_cache(server, lmcache, model, settings.chunk_size)
+        steady = _measure_tiers(server, lmcache, model, bench.steady_prompts, settings.chunk_size,
+                                warm_up=False)
         if not bench.baseline_runs:
-            bench.baseline_runs = [ttft(bench.baseline.url, model, p) for p in bench.prompts][1:]
+            bench.baseline_runs = [ttft(bench.baseline.url, model, p)
+                                   for p in (*bench.prompts, *bench.steady_prompts)][1:]
         before = {side: scrape(url) for side, url in sides}
         misses = _measure_misses(server, lmcache, bench.baseline, model, settings.chunk_size,
                                  miss_seed)
@@ -205,15 +226,16 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
         server.stop()
         remove_stale_segments()  # lmcache_driven leaves vLLM's KV segment in /dev/shm
         lmcache.stop()
+    first_count = len(first.runs["cold"])
     measured = Measured(
-        transfer_mode=mode, runs=tiers["runs"], baseline=bench.baseline_runs, misses=misses,
-        hits=tiers["hits"],
-        load_gb_per_s=_rate(metrics, "kvops_offload_loaded_bytes_total",
-                            "kvops_offload_load_seconds_sum"),
+        transfer_mode=mode, runs=steady.runs, baseline=bench.baseline_runs[first_count:],
+        misses=misses, hits=steady.hits, load_gb_per_s=steady.load_gb_per_s,
         store_gb_per_s=_rate(metrics, "kvops_offload_stored_bytes_total",
                              "kvops_offload_store_seconds_sum"),
         settings=settings.model_dump(), miss_split=miss_split.means(),
-        hit_split=tiers["split"].means(),
+        hit_split=steady.split.means(), server_faults=steady.faults,
+        first_pass=FirstPass(runs=first.runs, baseline=bench.baseline_runs[:first_count],
+                             load_gb_per_s=first.load_gb_per_s, server_faults=first.faults),
     )
     return measured, _mode_line(log)
 
@@ -232,41 +254,73 @@ def _mode_line(log: Path) -> str:
     return lines[0].split(marker, 1)[1].strip() if lines else ""
 
 
+@dataclass
+class _Tiers:
+    """One pass over prompts: their (TTFT, text) per tier, LMCache's hit tokens, vLLM's time
+    split, the connector's load rate over the pass, the LMCache server's page faults per hit."""
+
+    runs: dict[str, list[tuple[float, str]]] = field(
+        default_factory=lambda: {"cold": [], "l1": [], "disk": []})
+    hits: dict[str, float] = field(default_factory=lambda: {"l1": 0.0, "disk": 0.0})
+    split: _TimeSplit = field(default_factory=lambda: _TimeSplit())
+    faults: dict[str, list[int]] = field(default_factory=lambda: {"l1": [], "disk": []})
+    load_gb_per_s: float = 0.0
+
+
 def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
-                   prompts: list[list[int]], chunk_size: int) -> dict[str, Any]:
-    runs: dict[str, list[tuple[float, str]]] = {"cold": [], "l1": [], "disk": []}
-    hits = {"l1": 0.0, "disk": 0.0}
-    split = _TimeSplit()
+                   prompts: list[list[int]], chunk_size: int, warm_up: bool) -> _Tiers:
+    """Each prompt cold, from L1, from disk; ``warm_up``: the first prompt is not counted."""
+    tiers = _Tiers()
     chunks = PROMPT_TOKENS // chunk_size
+    group = lmcache.process.pid if lmcache.process is not None else 0
+    loads_before = samples_by_name(requests.get(server.url + "/metrics", timeout=10).text)
     for index, prompt in enumerate(prompts):
+        stored = _lmcache(lmcache)["l2_stored_chunks"]
         cold = ttft(server.url, model, prompt)
-        stored_chunks = (index + 1) * chunks
-
-        def stored(target: int = stored_chunks) -> bool:
-            return _lmcache(lmcache)["l2_stored_chunks"] >= target
-
-        _wait(stored)
+        _wait_stored(lmcache, stored + chunks)
         _post(server.url + "/reset_prefix_cache")
-        before, l1_first = _lmcache(lmcache), scrape(server.url)
+        before, l1_first, l1_faults = _lmcache(lmcache), scrape(server.url), group_minor_faults(group)
         l1 = ttft(server.url, model, prompt)
+        l1_faults = group_minor_faults(group) - l1_faults
         l1_last = _settled(server.url, l1_first)
         _post(lmcache.url + "/cache/clear")
         _post(server.url + "/reset_prefix_cache")
-        middle, disk_first = _lmcache(lmcache), scrape(server.url)
+        middle, disk_first, disk_faults = _lmcache(lmcache), scrape(server.url), group_minor_faults(group)
         disk = ttft(server.url, model, prompt)
+        disk_faults = group_minor_faults(group) - disk_faults
         disk_last = _settled(server.url, disk_first)
         after = _lmcache(lmcache)
         _post(server.url + "/reset_prefix_cache")
-        if index == 0:
-            continue  # warm-up
-        runs["cold"].append(cold)
-        runs["l1"].append(l1)
-        runs["disk"].append(disk)
-        hits["l1"] += middle["hit_tokens_l1"] - before["hit_tokens_l1"]
-        hits["disk"] += after["hit_tokens_l2"] - middle["hit_tokens_l2"]
-        split.add("l1", l1_first, l1_last)
-        split.add("disk", disk_first, disk_last)
-    return {"runs": runs, "hits": hits, "split": split}
+        if warm_up and index == 0:
+            continue
+        tiers.runs["cold"].append(cold)
+        tiers.runs["l1"].append(l1)
+        tiers.runs["disk"].append(disk)
+        tiers.hits["l1"] += middle["hit_tokens_l1"] - before["hit_tokens_l1"]
+        tiers.hits["disk"] += after["hit_tokens_l2"] - middle["hit_tokens_l2"]
+        tiers.split.add("l1", l1_first, l1_last)
+        tiers.split.add("disk", disk_first, disk_last)
+        tiers.faults["l1"].append(l1_faults)
+        tiers.faults["disk"].append(disk_faults)
+    loads_after = samples_by_name(requests.get(server.url + "/metrics", timeout=10).text)
+    tiers.load_gb_per_s = _rate_between(loads_before, loads_after, "kvops_offload_loaded_bytes_total",
+                                        "kvops_offload_load_seconds_sum")
+    return tiers
+
+
+def _cycle_kv_cache(server: ManagedServer, lmcache: ManagedServer, model: Path,
+                    chunk_size: int) -> None:
+    """Serve CYCLE_PROMPTS fresh prompts (as many at once as the server runs) and wait for
+    LMCache to store them, then empty vLLM's prefix cache and LMCache's L1: every KV block has
+    been handed out and copied once, as on a server in service, and the pass measured next finds
+    room in L1 as the first did."""
+    stored = _lmcache(lmcache)["l2_stored_chunks"]
+    prompts = [_prompt(CYCLE_SEED + i) for i in range(CYCLE_PROMPTS)]
+    with ThreadPoolExecutor(int(SERVER_ARGS[SERVER_ARGS.index("--max-num-seqs") + 1])) as pool:
+        list(pool.map(lambda prompt: ttft(server.url, model, prompt), prompts))
+    _wait_stored(lmcache, stored + len(prompts) * PROMPT_TOKENS // chunk_size)
+    _post(server.url + "/reset_prefix_cache")
+    _post(lmcache.url + "/cache/clear")
 
 
 class _TimeSplit:
@@ -410,6 +464,13 @@ def digest_ms_per_prompt(repeats: int = 5) -> dict[str, float]:
 def _rate(metrics: Samples, bytes_name: str, seconds_name: str) -> float:
     seconds = selector_sum(metrics, seconds_name)
     return selector_sum(metrics, bytes_name) / seconds / 1e9 if seconds else 0.0
+
+
+def _rate_between(first: Samples, last: Samples, bytes_name: str, seconds_name: str) -> float:
+    """GB/s of a byte counter over its seconds counter, between two scrapes."""
+    seconds = selector_sum(last, seconds_name) - selector_sum(first, seconds_name)
+    moved = selector_sum(last, bytes_name) - selector_sum(first, bytes_name)
+    return moved / seconds / 1e9 if seconds > 0 else 0.0
 
 
 def _transfer_mode() -> TransferModeSetting:

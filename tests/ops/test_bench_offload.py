@@ -11,6 +11,7 @@ import pytest
 
 from kvops.ops.bench.offload import torch_default_threads
 from kvops.ops.bench.offload_report import (
+    FirstPass,
     Knob,
     Measured,
     assemble,
@@ -89,6 +90,37 @@ def test_outputs_differing_from_the_no_connector_server_are_reported():
     assert report["outputs_identical"] is False
     assert report["modes"]["engine_driven"]["outputs_identical"] is True
 
+
+
+def test_the_first_pass_sits_beside_the_measured_one_and_its_outputs_count():
+    """The fresh server's pass (before every KV block was handed out once) is reported apart;
+    the top-level ratios are the later pass's; a wrong text in either pass makes outputs differ."""
+    from dataclasses import replace
+
+    steady = replace(_measured("lmcache_driven", l1=0.05, miss=0.02, load_gb_s=1.5),
+                     server_faults={"l1": [3, 0, 1], "disk": [0, 0, 0]})
+    cold_segment = FirstPass(runs={"cold": [(2.0, "w5 w6")] * 3,
+                                   "l1": [(0.12, "w5 w6"), (0.14, "w5 w6"), (0.13, "w5 w6")],
+                                   "disk": [(0.16, "w5 w6")] * 3},
+                             baseline=[(1.9, "w5 w6")] * 3, load_gb_per_s=0.8,
+                             server_faults={"l1": [16390, 16384, 16386], "disk": [16384] * 3})
+    report = _report(replace(steady, first_pass=cold_segment), _measured("engine_driven", 0.25, 0.2), [])
+    assert report["l1_ttft_ratio"] == pytest.approx(0.05)
+    assert report["copy_fraction_of_memcpy"] == pytest.approx(0.15)
+    assert report["server_page_faults_per_load"] == {"l1": 1, "disk": 0}
+    first = report["first_pass"]
+    assert first["l1_ttft_ratio"] == pytest.approx(0.13 / 2.0)
+    assert first["disk_ttft_ratio"] == pytest.approx(0.08)
+    assert first["copy_fraction_of_memcpy"] == pytest.approx(0.08)
+    assert first["server_page_faults_per_load"] == {"l1": 16386, "disk": 16384}
+    assert report["outputs_identical"] is True
+    assert report["modes"]["lmcache_driven"]["first_pass"] == first
+    assert report["modes"]["engine_driven"]["first_pass"] is None
+
+    wrong = replace(cold_segment, runs={**cold_segment.runs, "disk": [(0.16, "w5 w7")] * 3})
+    report = _report(replace(steady, first_pass=wrong), _measured("engine_driven", 0.25, 0.2), [])
+    assert report["first_pass"]["outputs_identical"] is False
+    assert report["outputs_identical"] is False
 
 def test_a_knob_is_judged_against_the_default_measured_in_the_same_run():
     default = _measured("lmcache_driven", l1=0.07, miss=0.15)
