@@ -41,12 +41,18 @@ MEASURED: dict[str, OffloadCosts] = {
         source="kvops bench offload --json, engine_driven, 2,048-token prompts (DESIGN.md 'Measured on the "
                "landed product'; issue 16)"),
     "lmcache_driven": OffloadCosts(
-        transfer_mode="lmcache_driven", l1_ttft_ratio=0.070, disk_ttft_ratio=0.082, miss_overhead_ratio=0.15,
-        source="kvops bench offload --json with KVOPS_BENCH_OFFLOAD_TRANSFER_MODE=lmcache_driven, 2,048-token "
-               "prompts, through the kvops connector (issue 16)"),
+        transfer_mode="lmcache_driven", l1_ttft_ratio=0.046, disk_ttft_ratio=0.056, miss_overhead_ratio=0.039,
+        source="kvops bench offload --json, the default mode (auto: lmcache_driven), 2,048-token prompts, "
+               "through the kvops connector, hits after one pass over the KV cache: the larger of two quiet "
+               "runs' hit ratios, the largest of three runs' miss medians (issue 16)"),
 }
 """The built-in costs. LMCache's own connector measured less in lmcache_driven (no measurable
-miss cost, research/offload_bench.md §4); these are ours, which the product runs."""
+miss cost, research/offload_bench.md §4); these are ours, which the product runs. engine_driven:
+the figures issue 16 quoted (later runs measured L1 0.19, disk 0.19, miss +0.15 to +0.25).
+lmcache_driven: two quiet full runs on a 2-core AVX-512 box (README) gave L1 0.046 and 0.042,
+disk 0.055 and 0.056; the miss medians of three were +0.039, -0.063 and -0.009, a spread that is
+the difference between two servers (the connector's own share, its lookup, is ~0.3%), so the
+plan counts the largest."""
 
 BENCH_KEYS = ("l1_ttft_ratio", "disk_ttft_ratio", "miss_overhead_ratio")
 
@@ -62,10 +68,20 @@ def read_bench_costs(path: Path, where: str = "--offload-costs") -> OffloadCosts
     ratios: dict[str, float] = {}
     for key in BENCH_KEYS:
         value = doc.get(key)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise BadInputError(f"{where} {path}: {key} is {value!r}, not a number >= 0; pass the JSON "
+        # a miss measured faster with the connector than without is the bench's noise (two
+        # servers differ by a few percent): > -1, counted as no cost; a hit ratio is >= 0
+        miss = key == "miss_overhead_ratio"
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not (value > -1 if miss else value >= 0)):
+            allowed = "a number > -1" if miss else "a number >= 0"
+            raise BadInputError(f"{where} {path}: {key} is {value!r}, not {allowed}; pass the JSON "
                                 "`kvops bench offload --json` printed")
         ratios[key] = float(value)
     prompt = doc.get("prompt_tokens")
     shape = f", {prompt}-token prompts" if isinstance(prompt, int) else ""
-    return OffloadCosts(transfer_mode=mode, source=f"{path} (kvops bench offload --json, {mode}{shape})", **ratios)
+    noise = ""
+    if ratios["miss_overhead_ratio"] < 0:
+        noise = f"; its miss_overhead_ratio {ratios['miss_overhead_ratio']:+.3f} counted as 0"
+        ratios["miss_overhead_ratio"] = 0.0
+    return OffloadCosts(transfer_mode=mode, source=f"{path} (kvops bench offload --json, {mode}{shape}{noise})",
+                        **ratios)
