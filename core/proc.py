@@ -56,12 +56,14 @@ def stat_fields(pid: int) -> list[str] | None:
 
 
 
-def group_minor_faults(pgid: int) -> int:
+def group_minor_faults(pgid: int) -> int | None:
     """Minor page faults so far of the live processes in process group ``pgid`` (field 10 of
     /proc/<pid>/stat, summed): one per page a process maps on first touch of memory already in
-    RAM, e.g. a shared-memory segment another process filled. 0 where /proc cannot be read."""
+    RAM, e.g. a shared-memory segment another process filled. None without /proc (not Linux)."""
+    if not Path("/proc/self/stat").is_file():
+        return None
     total = 0
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+    for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         fields = stat_fields(int(entry.name))

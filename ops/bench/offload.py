@@ -279,15 +279,15 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
         cold = ttft(server.url, model, prompt)
         _wait_stored(lmcache, stored + chunks)
         _post(server.url + "/reset_prefix_cache")
-        before, l1_first, l1_faults = _lmcache(lmcache), scrape(server.url), group_minor_faults(group)
+        before, l1_first, faults = _lmcache(lmcache), scrape(server.url), group_minor_faults(group)
         l1 = ttft(server.url, model, prompt)
-        l1_faults = group_minor_faults(group) - l1_faults
+        l1_faults = _since(faults, group_minor_faults(group))
         l1_last = _settled(server.url, l1_first)
         _post(lmcache.url + "/cache/clear")
         _post(server.url + "/reset_prefix_cache")
-        middle, disk_first, disk_faults = _lmcache(lmcache), scrape(server.url), group_minor_faults(group)
+        middle, disk_first, faults = _lmcache(lmcache), scrape(server.url), group_minor_faults(group)
         disk = ttft(server.url, model, prompt)
-        disk_faults = group_minor_faults(group) - disk_faults
+        disk_faults = _since(faults, group_minor_faults(group))
         disk_last = _settled(server.url, disk_first)
         after = _lmcache(lmcache)
         _post(server.url + "/reset_prefix_cache")
@@ -300,12 +300,17 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
         tiers.hits["disk"] += after["hit_tokens_l2"] - middle["hit_tokens_l2"]
         tiers.split.add("l1", l1_first, l1_last)
         tiers.split.add("disk", disk_first, disk_last)
-        tiers.faults["l1"].append(l1_faults)
-        tiers.faults["disk"].append(disk_faults)
+        for tier, count in (("l1", l1_faults), ("disk", disk_faults)):
+            if count is not None:
+                tiers.faults[tier].append(count)
     loads_after = samples_by_name(requests.get(server.url + "/metrics", timeout=10).text)
     tiers.load_gb_per_s = _rate_between(loads_before, loads_after, "kvops_offload_loaded_bytes_total",
                                         "kvops_offload_load_seconds_sum")
     return tiers
+
+
+def _since(first: int | None, last: int | None) -> int | None:
+    return None if first is None or last is None else last - first
 
 
 def _cycle_kv_cache(server: ManagedServer, lmcache: ManagedServer, model: Path,
