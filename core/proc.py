@@ -55,7 +55,6 @@ def stat_fields(pid: int) -> list[str] | None:
     return fields or None
 
 
-
 def group_minor_faults(pgid: int) -> int | None:
     """Minor page faults so far of the live processes in process group ``pgid`` (field 10 of
     /proc/<pid>/stat, summed): one per page a process maps on first touch of memory already in
@@ -70,6 +69,7 @@ def group_minor_faults(pgid: int) -> int | None:
         if fields is not None and len(fields) > 7 and fields[2] == str(pgid):
             total += int(fields[7])
     return total
+
 
 def log_tail(path: Path, lines: int = 40) -> str:
     """The last ``lines`` lines of a log file, or "(no log)" when it cannot be read."""
