@@ -23,7 +23,7 @@ from pathlib import Path
 import requests
 
 from kvops.core.errors import KvopsError
-from kvops.core.proc import free_port, log_tail
+from kvops.core.proc import free_port, log_tail, stat_fields
 from kvops.core.units import GIB
 
 DEFAULT_READY_TIMEOUT_S = 480.0
@@ -173,11 +173,15 @@ class ManagedServer:
         return None if self.process is None else self.process.poll()
 
     def stop(self, grace_s: float = 20.0) -> int | None:
-        """SIGTERM the process group, SIGKILL after grace_s; returns the exit code."""
+        """SIGTERM the process group, SIGKILL after grace_s; returns the exit code. Processes
+        left in the group after the server's main process exits get the rest of the grace to
+        end on their own: vLLM's engine core unlinks its shared-memory queues (/dev/shm/psm_*,
+        160 and 240 MiB) as it exits, and a SIGKILL then leaves them behind for good."""
         proc = self.process
         if proc is None:
             return None
         self.resume()  # a stopped process would keep SIGTERM pending until the grace ran out
+        deadline = time.monotonic() + grace_s
         if proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)
             try:
@@ -185,6 +189,8 @@ class ManagedServer:
             except subprocess.TimeoutExpired:
                 _signal_group(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         _signal_group(proc.pid, signal.SIGKILL)  # stragglers left in the group
         return proc.returncode
 
@@ -292,6 +298,23 @@ def _parent_death_signal(parent: int) -> Callable[[], None]:
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _group_alive(pid: int) -> bool:
+    """Whether any process of the group ``pid`` leads is still running (zombies waiting for
+    init to reap them count as gone; without /proc, any member counts)."""
+    try:
+        os.killpg(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    if not Path("/proc/self/stat").is_file():
+        return True
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = stat_fields(int(entry.name))
+            if fields is not None and len(fields) > 2 and fields[2] == str(pid) and fields[0] != "Z":
+                return True
+    return False
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
