@@ -55,20 +55,26 @@ def stat_fields(pid: int) -> list[str] | None:
     return fields or None
 
 
+def group_processes(pgid: int) -> dict[int, list[str]] | None:
+    """pid -> its ``stat_fields`` for each process in process group ``pgid`` (field [2] of
+    /proc/<pid>/stat), zombies included; None without /proc (not Linux)."""
+    if not Path("/proc/self/stat").is_file():
+        return None
+    members = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = stat_fields(int(entry.name))
+            if fields is not None and len(fields) > 7 and fields[2] == str(pgid):
+                members[int(entry.name)] = fields
+    return members
+
+
 def group_minor_faults(pgid: int) -> int | None:
     """Minor page faults so far of the live processes in process group ``pgid`` (field 10 of
     /proc/<pid>/stat, summed): one per page a process maps on first touch of memory already in
     RAM, e.g. a shared-memory segment another process filled. None without /proc (not Linux)."""
-    if not Path("/proc/self/stat").is_file():
-        return None
-    total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        fields = stat_fields(int(entry.name))
-        if fields is not None and len(fields) > 7 and fields[2] == str(pgid):
-            total += int(fields[7])
-    return total
+    members = group_processes(pgid)
+    return None if members is None else sum(int(fields[7]) for fields in members.values())
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

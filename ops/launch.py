@@ -23,7 +23,7 @@ from pathlib import Path
 import requests
 
 from kvops.core.errors import KvopsError
-from kvops.core.proc import free_port, log_tail, stat_fields
+from kvops.core.proc import free_port, group_processes, log_tail
 from kvops.core.units import GIB
 
 DEFAULT_READY_TIMEOUT_S = 480.0
@@ -268,13 +268,9 @@ def autogroups_on() -> bool:
 
 def _renice_group(pgid: int, nice: int) -> None:
     """Set every thread of every process in process group ``pgid`` to niceness ``nice``."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for pid in group_processes(pgid) or {}:
         try:
-            if os.getpgid(int(proc.name)) != pgid:
-                continue
-            for task in (proc / "task").iterdir():
+            for task in Path(f"/proc/{pid}/task").iterdir():
                 os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
         except (OSError, ValueError):
             continue  # gone meanwhile
@@ -307,14 +303,8 @@ def _group_alive(pid: int) -> bool:
         os.killpg(pid, 0)
     except (ProcessLookupError, PermissionError):
         return False
-    if not Path("/proc/self/stat").is_file():
-        return True
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            fields = stat_fields(int(entry.name))
-            if fields is not None and len(fields) > 2 and fields[2] == str(pid) and fields[0] != "Z":
-                return True
-    return False
+    members = group_processes(pid)
+    return members is None or any(fields[0] != "Z" for fields in members.values())
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -206,7 +206,7 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
     try:
         server.start()
         sides = (("no_connector", bench.baseline.url), ("offload", server.url))
-        mode = _transfer_mode_of(samples_by_name(requests.get(server.url + "/metrics", timeout=10).text))
+        mode = _transfer_mode_of(_samples(server.url))
         first = _measure_tiers(server, lmcache, model, bench.prompts, settings.chunk_size,
                                warm_up=True)
         _cycle_kv_cache(server, lmcache, model, settings.chunk_size)
@@ -221,7 +221,7 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
         miss_split = _TimeSplit()
         for side, url in sides:
             miss_split.add(side, before[side], scrape(url))
-        metrics = samples_by_name(requests.get(server.url + "/metrics", timeout=10).text)
+        metrics = _samples(server.url)
     finally:
         server.stop()
         remove_stale_segments()  # lmcache_driven leaves vLLM's KV segment in /dev/shm
@@ -273,22 +273,18 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
     tiers = _Tiers()
     chunks = PROMPT_TOKENS // chunk_size
     group = lmcache.process.pid if lmcache.process is not None else 0
-    loads_before = samples_by_name(requests.get(server.url + "/metrics", timeout=10).text)
+    loads_before = _samples(server.url)
     for index, prompt in enumerate(prompts):
         stored = _lmcache(lmcache)["l2_stored_chunks"]
         cold = ttft(server.url, model, prompt)
         _wait_stored(lmcache, stored + chunks)
         _post(server.url + "/reset_prefix_cache")
-        before, l1_first, faults = _lmcache(lmcache), scrape(server.url), group_minor_faults(group)
-        l1 = ttft(server.url, model, prompt)
-        l1_faults = _since(faults, group_minor_faults(group))
-        l1_last = _settled(server.url, l1_first)
+        before = _lmcache(lmcache)
+        l1, l1_first, l1_last, l1_faults = _hit(server, model, prompt, group)
         _post(lmcache.url + "/cache/clear")
         _post(server.url + "/reset_prefix_cache")
-        middle, disk_first, faults = _lmcache(lmcache), scrape(server.url), group_minor_faults(group)
-        disk = ttft(server.url, model, prompt)
-        disk_faults = _since(faults, group_minor_faults(group))
-        disk_last = _settled(server.url, disk_first)
+        middle = _lmcache(lmcache)
+        disk, disk_first, disk_last, disk_faults = _hit(server, model, prompt, group)
         after = _lmcache(lmcache)
         _post(server.url + "/reset_prefix_cache")
         if warm_up and index == 0:
@@ -303,14 +299,21 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
         for tier, count in (("l1", l1_faults), ("disk", disk_faults)):
             if count is not None:
                 tiers.faults[tier].append(count)
-    loads_after = samples_by_name(requests.get(server.url + "/metrics", timeout=10).text)
+    loads_after = _samples(server.url)
     tiers.load_gb_per_s = _rate_between(loads_before, loads_after, "kvops_offload_loaded_bytes_total",
                                         "kvops_offload_load_seconds_sum")
     return tiers
 
 
-def _since(first: int | None, last: int | None) -> int | None:
-    return None if first is None or last is None else last - first
+def _hit(server: ManagedServer, model: Path, prompt: list[int],
+         group: int) -> tuple[tuple[float, str], MetricsSample, MetricsSample, int | None]:
+    """One hit: (TTFT, text), vLLM's scrapes before it and once it is counted (_settled), and
+    the minor page faults of the LMCache server's process ``group`` during it (None: no /proc)."""
+    first, faults = scrape(server.url), group_minor_faults(group)
+    hit = ttft(server.url, model, prompt)
+    faulted = group_minor_faults(group)
+    during = None if faults is None or faulted is None else faulted - faults
+    return hit, first, _settled(server.url, first), during
 
 
 def _cycle_kv_cache(server: ManagedServer, lmcache: ManagedServer, model: Path,
@@ -466,9 +469,13 @@ def digest_ms_per_prompt(repeats: int = 5) -> dict[str, float]:
     return {"digest_ms_per_prompt": best_ms(digest_of), "crc32_ms_per_prompt": best_ms(crc32)}
 
 
+def _samples(url: str) -> Samples:
+    return samples_by_name(requests.get(url + "/metrics", timeout=10).text)
+
+
 def _rate(metrics: Samples, bytes_name: str, seconds_name: str) -> float:
-    seconds = selector_sum(metrics, seconds_name)
-    return selector_sum(metrics, bytes_name) / seconds / 1e9 if seconds else 0.0
+    """GB/s of a byte counter over its seconds counter, since the server started."""
+    return _rate_between({}, metrics, bytes_name, seconds_name)
 
 
 def _rate_between(first: Samples, last: Samples, bytes_name: str, seconds_name: str) -> float:
