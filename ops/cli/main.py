@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from typer.core import TyperGroup
@@ -38,9 +38,20 @@ COMMAND_MODULES: tuple[str, ...] = (
 class KvopsGroup(TyperGroup):
     """Turns every KvopsError into a one-line message and its exit code (STYLE rule 5)."""
 
+    def make_context(self, info_name: str | None, args: list[str],
+                     parent: Any = None, **extra: Any) -> Any:
+        """``kvops --help | head``: the group's own help is written while its context is made,
+        before ``invoke``'s boundary (typer would exit 1 there)."""
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except BrokenPipeError:
+            _end_on_broken_pipe()
+
     def invoke(self, ctx: typer.Context) -> Any:  # type: ignore[override]  # typer vendors click's Context
         try:
             return super().invoke(ctx)
+        except BrokenPipeError:
+            _end_on_broken_pipe()
         except KvopsError as exc:
             _report(exc)
             ctx.exit(exc.exit_code)
@@ -61,6 +72,31 @@ class KvopsGroup(TyperGroup):
                 err=True,
             )
             ctx.exit(EXIT_ERROR)
+
+
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
+def _end_on_broken_pipe() -> NoReturn:
+    """The reader of our stdout has gone (``kvops plan … | head``, a closed ``less``): end as a
+    shell's pipeline expects, quietly with 141 as if by SIGPIPE. Python ignores SIGPIPE, so the
+    write raised instead; by then the ``finally`` blocks of the command have run. stdout is
+    pointed at /dev/null so that the interpreter's last flush of what is still buffered does not
+    fail again ("Exception ignored ... BrokenPipeError", exit 120)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    raise SystemExit(EXIT_BROKEN_PIPE)
+
+
+def _file_identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino)
+
+
+def _file_identity_of(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino)
 
 
 def _report(exc: KvopsError) -> None:
@@ -124,8 +160,16 @@ def main() -> None:
     """Console-script entry: usage errors become one line too, exit code 2; SIGTERM stops what
     the command started (``Terminated``), exit code 143."""
     signal.signal(signal.SIGTERM, _on_sigterm)
+    stdout_before = _file_identity(sys.stdout.fileno())
     try:
         code = app(standalone_mode=False)
+    except SystemExit as exc:
+        # rich, which writes typer's help, meets a gone reader by pointing stdout at /dev/null
+        # and exiting 1 (rich/console.py on_broken_pipe): the same end as ours, with our code
+        if exc.code == 1 and _file_identity(sys.stdout.fileno()) != stdout_before \
+                and _file_identity(sys.stdout.fileno()) == _file_identity_of(os.devnull):
+            sys.exit(EXIT_BROKEN_PIPE)
+        raise
     except typer.Abort:
         typer.echo("kvops: aborted", err=True)
         sys.exit(130)
