@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvops.ops.bench.greedy import departs
+from kvops.ops.bench.greedy import Judged, tally
 
 
 @dataclass(frozen=True)
-class Sent:
+class Sent(Judged):
     """One client request of the load and what came back."""
 
     started: float
@@ -36,18 +36,6 @@ class Sent:
     gaps: tuple[float, ...] | None = None
     """Per generated token, the reference server's best logprob minus this token's (scored only
     when the text is none of ``expected``; None: not scored)."""
-
-    @property
-    def unexpected(self) -> bool:
-        return self.text is not None and self.text not in self.expected
-
-    @property
-    def wrong(self) -> bool:
-        return self.unexpected and (self.gaps is None or departs(self.gaps) is not None)
-
-    @property
-    def tie_flip(self) -> bool:
-        return self.unexpected and not self.wrong
 
 
 @dataclass(frozen=True)
@@ -83,15 +71,13 @@ def recovery_s(cleared_at: float, probes: Sequence[Probe]) -> float | None:
 
 def fault_report(run: FaultRun) -> dict[str, Any]:
     answered = [s for s in run.sent if s.text is not None]
-    wrong = sum(1 for s in answered if s.wrong)
     errors = sorted({s.error for s in run.sent if s.text is None and s.error})
     return {
         "name": run.name,
         "sent": len(run.sent),
         "answered": len(answered),
         "lost": len(run.sent) - len(answered),
-        "wrong_outputs": wrong,
-        "tie_flips": sum(1 for s in answered if s.tie_flip),
+        **tally(answered),
         "engine_crashes": run.engine_crashes,
         "recovery_s": recovery_s(run.cleared_at, run.probes),
         "lost_errors": errors[:5],

@@ -13,7 +13,7 @@ the completion as a prompt, with ``prompt_logprobs`` (vLLM's own numbers, not ou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import requests
@@ -72,3 +72,38 @@ def gaps(url: str, model: str, prompt: Sequence[int], output: Sequence[int], tim
 def departs(position_gaps: Sequence[float], tie_nats: float = TIE_NATS) -> int | None:
     """The first position where the output left greedy by more than a tie; None when it never did."""
     return next((i for i, gap in enumerate(position_gaps) if gap > tie_nats), None)
+
+
+class Judged:
+    """What a completion is against the reference: one of its greedy texts, a tie flip, or wrong.
+
+    Mixed into the frozen dataclasses of the benches (a chaos request, an offload output), which
+    give the three fields: the completion's text (None: nothing came back), the reference's greedy
+    texts for its prompt, and the reference's per-token gaps, scored only where the text is none
+    of them (None: not scored, which counts as wrong: nothing shows it is a tie)."""
+
+    text: str | None
+    expected: tuple[str, ...]
+    gaps: tuple[float, ...] | None
+
+    @property
+    def unexpected(self) -> bool:
+        return self.text is not None and self.text not in self.expected
+
+    @property
+    def wrong(self) -> bool:
+        return self.unexpected and (self.gaps is None or departs(self.gaps) is not None)
+
+    @property
+    def tie_flip(self) -> bool:
+        return self.unexpected and not self.wrong
+
+
+def tally(outputs: Iterable[Judged]) -> dict[str, int | float]:
+    """``tie_flips`` and ``wrong_outputs`` among ``outputs``, and ``max_logprob_gap``: the largest
+    per-token gap the reference scored in any of them (0.0 when none was scored)."""
+    listed = list(outputs)
+    scored = [gap for output in listed if output.unexpected and output.gaps for gap in output.gaps]
+    return {"tie_flips": sum(output.tie_flip for output in listed),
+            "wrong_outputs": sum(output.wrong for output in listed),
+            "max_logprob_gap": max(scored, default=0.0)}

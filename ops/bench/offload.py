@@ -16,7 +16,9 @@ miss is measured apart, in interleaved ABBA blocks of fresh prompts (no connecto
 offload, no connector): a slow stretch of the shared machine hits both sides of a block alike.
 ``miss_overhead_ratio`` is the median of the blocks' ratios, reported with their spread.
 ``hit_time_split_s`` and ``miss_time_split_s`` say where the time goes, from vLLM's own queue,
-prefill and TTFT histograms read around the hits and the miss blocks (TIME_SPLIT).
+prefill and TTFT histograms read around the hits and the miss blocks (TIME_SPLIT). A greedy text
+that differs from the no-connector server's is scored by that server as the chaos bench scores
+one (ops/bench/greedy.py): a tie flip of the tiny model's near-tied logits, or a wrong output.
 
 Variants, one offload server after another beside the one no-connector server (the same
 model, prompts and baseline, so their ratios compare): the product default (transfer_mode auto,
@@ -36,7 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast, get_args
 
@@ -56,7 +58,16 @@ from kvops.core.prom import (
     selector_sum,
 )
 from kvops.core.units import GIB
-from kvops.ops.bench.offload_report import FirstPass, Knob, Measured, assemble, variant_result
+from kvops.ops.bench import greedy
+from kvops.ops.bench.offload_report import (
+    FirstPass,
+    Gaps,
+    Knob,
+    Measured,
+    assemble,
+    outputs,
+    variant_result,
+)
 from kvops.ops.launch import ManagedServer, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 from kvops.ops.offload.server import lmcache_server
@@ -227,6 +238,8 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
         remove_stale_segments()  # lmcache_driven leaves vLLM's KV segment in /dev/shm
         lmcache.stop()
     first_count = len(first.runs["cold"])
+    first_pass = FirstPass(runs=first.runs, baseline=bench.baseline_runs[:first_count],
+                           load_gb_per_s=first.load_gb_per_s, server_faults=first.faults)
     measured = Measured(
         transfer_mode=mode, runs=steady.runs, baseline=bench.baseline_runs[first_count:],
         misses=misses, hits=steady.hits, load_gb_per_s=steady.load_gb_per_s,
@@ -234,10 +247,23 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
                              "kvops_offload_store_seconds_sum"),
         settings=settings.model_dump(), miss_split=miss_split.means(),
         hit_split=steady.split.means(), server_faults=steady.faults,
-        first_pass=FirstPass(runs=first.runs, baseline=bench.baseline_runs[:first_count],
-                             load_gb_per_s=first.load_gb_per_s, server_faults=first.faults),
+        first_pass=replace(first_pass, gaps=_score(bench, bench.prompts[1:], first_pass, first.token_ids)),
     )
-    return measured, _mode_line(log)
+    return replace(measured, gaps=_score(bench, bench.steady_prompts, measured, steady.token_ids)), _mode_line(log)
+
+
+def _score(bench: _Bench, prompts: list[list[int]], measured: FirstPass | Measured,
+           token_ids: dict[str, list[tuple[int, ...]]]) -> Gaps:
+    """The no-connector server's per-token gaps of each text that differs from its own, as the
+    chaos bench scores them (ops/bench/greedy.py); run once the offload server is down, so the
+    scoring prefills share the machine with no measurement."""
+    gaps: Gaps = {tier: [None] * len(runs) for tier, runs in measured.runs.items()}
+    for output in outputs(measured):
+        if output.unexpected:
+            gaps[output.tier][output.prompt] = tuple(greedy.gaps(
+                bench.baseline.url, str(bench.model), prompts[output.prompt],
+                token_ids[output.tier][output.prompt]))
+    return gaps
 
 
 def _transfer_mode_of(metrics: Samples) -> str:
@@ -256,10 +282,13 @@ def _mode_line(log: Path) -> str:
 
 @dataclass
 class _Tiers:
-    """One pass over prompts: their (TTFT, text) per tier, LMCache's hit tokens, vLLM's time
-    split, the connector's load rate over the pass, the LMCache server's page faults per hit."""
+    """One pass over prompts: their (TTFT, text) and generated token ids per tier, LMCache's hit
+    tokens, vLLM's time split, the connector's load rate over the pass, the LMCache server's page
+    faults per hit."""
 
     runs: dict[str, list[tuple[float, str]]] = field(
+        default_factory=lambda: {"cold": [], "l1": [], "disk": []})
+    token_ids: dict[str, list[tuple[int, ...]]] = field(
         default_factory=lambda: {"cold": [], "l1": [], "disk": []})
     hits: dict[str, float] = field(default_factory=lambda: {"l1": 0.0, "disk": 0.0})
     split: _TimeSplit = field(default_factory=lambda: _TimeSplit())
@@ -276,7 +305,7 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
     loads_before = _samples(server.url)
     for index, prompt in enumerate(prompts):
         stored = _lmcache(lmcache)["l2_stored_chunks"]
-        cold = ttft(server.url, model, prompt)
+        cold = stream(server.url, model, prompt)
         _wait_stored(lmcache, stored + chunks)
         _post(server.url + "/reset_prefix_cache")
         before = _lmcache(lmcache)
@@ -289,9 +318,9 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
         _post(server.url + "/reset_prefix_cache")
         if warm_up and index == 0:
             continue
-        tiers.runs["cold"].append(cold)
-        tiers.runs["l1"].append(l1)
-        tiers.runs["disk"].append(disk)
+        for tier, (seconds, text, ids) in (("cold", cold), ("l1", l1), ("disk", disk)):
+            tiers.runs[tier].append((seconds, text))
+            tiers.token_ids[tier].append(ids)
         tiers.hits["l1"] += middle["hit_tokens_l1"] - before["hit_tokens_l1"]
         tiers.hits["disk"] += after["hit_tokens_l2"] - middle["hit_tokens_l2"]
         tiers.split.add("l1", l1_first, l1_last)
@@ -306,11 +335,12 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
 
 
 def _hit(server: ManagedServer, model: Path, prompt: list[int],
-         group: int) -> tuple[tuple[float, str], MetricsSample, MetricsSample, int | None]:
-    """One hit: (TTFT, text), vLLM's scrapes before it and once it is counted (_settled), and
-    the minor page faults of the LMCache server's process ``group`` during it (None: no /proc)."""
+         group: int) -> tuple[tuple[float, str, tuple[int, ...]], MetricsSample, MetricsSample, int | None]:
+    """One hit: (TTFT, text, token ids), vLLM's scrapes before it and once it is counted
+    (_settled), and the minor page faults of the LMCache server's process ``group`` during it
+    (None: no /proc)."""
     first, faults = scrape(server.url), group_minor_faults(group)
-    hit = ttft(server.url, model, prompt)
+    hit = stream(server.url, model, prompt)
     faulted = group_minor_faults(group)
     during = None if faults is None or faulted is None else faulted - faults
     return hit, first, _settled(server.url, first), during
@@ -380,11 +410,20 @@ def _measure_misses(server: ManagedServer, lmcache: ManagedServer, baseline: Man
 
 def ttft(url: str, model: Path, prompt: list[int]) -> tuple[float, str]:
     """(seconds to the first streamed token, greedy text) of one completion."""
+    first, text, _ = stream(url, model, prompt)
+    return first, text
+
+
+def stream(url: str, model: Path, prompt: list[int]) -> tuple[float, str, tuple[int, ...]]:
+    """(seconds to the first streamed token, greedy text, its token ids) of one completion; the
+    ids (vLLM's ``return_token_ids``, per chunk) are what the reference scores when the text
+    differs from its own."""
     body = {"model": str(model), "prompt": prompt, "max_tokens": OUTPUT_TOKENS,
-            "temperature": 0, "stream": True}
+            "temperature": 0, "stream": True, "return_token_ids": True}
     started = time.perf_counter()
     first: float | None = None
-    text = []
+    text: list[str] = []
+    ids: list[int] = []
     with requests.post(url + "/v1/completions", json=body, stream=True, timeout=600) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines(chunk_size=1):
@@ -392,10 +431,12 @@ def ttft(url: str, model: Path, prompt: list[int]) -> tuple[float, str]:
                 continue
             if first is None:
                 first = time.perf_counter() - started
-            text.append(json.loads(line[6:])["choices"][0]["text"])
+            choice = json.loads(line[6:])["choices"][0]
+            text.append(choice["text"])
+            ids.extend(int(token) for token in choice.get("token_ids") or ())
     if first is None:
         raise KvopsError(f"{url} streamed no tokens")
-    return first, "".join(text)
+    return first, "".join(text), tuple(ids)
 
 
 def _lmcache(server: ManagedServer) -> dict[str, float]:

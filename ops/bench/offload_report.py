@@ -3,7 +3,10 @@
 Pure functions over what the bench measured (no server), so the contract keys are unit-tested:
 the default variant's ratios are the top-level keys (DESIGN.md), ``modes`` holds the same ratio
 keys per transfer mode, ``tuning`` one row per knob tried, each against the default measured in
-the same run.
+the same run. Outputs are judged as the chaos bench judges them (ops/bench/greedy.py): a text
+that differs from the no-connector server's is a tie flip when that server finds every token of
+it within a near-tie of its best (the tiny random model's ties flip with batch and prefix split),
+wrong otherwise; ``outputs_correct`` is true when every difference is a tie flip.
 """
 
 from __future__ import annotations
@@ -12,7 +15,16 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvops.ops.bench.greedy import Judged, tally
 from kvops.ops.bench.paired import block_ratios
+
+Gaps = dict[str, list[tuple[float, ...] | None]]
+"""tier -> per prompt of a pass: the no-connector server's per-token gaps (its best logprob minus
+the token's, ops/bench/greedy.py) of the offload server's text, scored where that text differs
+from the no-connector server's own (None: not scored)."""
+
+OUTPUT_KEYS = ("outputs_identical", "outputs_correct", "tie_flips", "wrong_outputs", "max_logprob_gap")
+"""What a pass, a variant and a tuning row say about the greedy texts."""
 
 RATIO_KEYS = ("l1_ttft_ratio", "disk_ttft_ratio", "miss_overhead_ratio", "copy_fraction_of_memcpy")
 """The keys a mode and a tuning row carry (lower is better, except the copy fraction, which the
@@ -23,12 +35,14 @@ verdict of a tuning row leaves out: it has no samples to tell an effect from noi
 class FirstPass:
     """The tiers measured on the fresh offload server, before vLLM had handed out every KV block
     once: runs and baseline as in ``Measured``, the connector's load rate over the pass, the
-    LMCache server's minor page faults per hit (tier -> [per prompt])."""
+    LMCache server's minor page faults per hit (tier -> [per prompt]), the differing texts'
+    gaps."""
 
     runs: dict[str, list[tuple[float, str]]]
     baseline: list[tuple[float, str]]
     load_gb_per_s: float
     server_faults: dict[str, list[int]] = field(default_factory=dict)
+    gaps: Gaps = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,8 @@ class Measured:
     server_faults: dict[str, list[int]] = field(default_factory=dict)
     """tier -> the LMCache server's minor page faults during each hit."""
     first_pass: FirstPass | None = None
+    gaps: Gaps = field(default_factory=dict)
+    """The differing texts of ``runs``, scored by the no-connector server."""
 
 
 def tier_ratios(runs: dict[str, list[tuple[float, str]]]) -> dict[str, Any]:
@@ -70,10 +86,44 @@ def tier_ratios(runs: dict[str, list[tuple[float, str]]]) -> dict[str, Any]:
             "ttft_s": median}
 
 
-def same_texts(runs: dict[str, list[tuple[float, str]]], baseline: list[tuple[float, str]]) -> bool:
-    """Every tier's greedy text equals the no-connector server's on the same prompt."""
-    texts = [text for tier in runs for _, text in runs[tier]]
-    return all(text == baseline[i % len(baseline)][1] for i, text in enumerate(texts))
+@dataclass(frozen=True)
+class Output(Judged):
+    """One tier's greedy text on one prompt of a pass, beside the no-connector server's."""
+
+    tier: str
+    prompt: int
+    """The prompt's index in its pass."""
+    text: str | None
+    expected: tuple[str, ...]
+    gaps: tuple[float, ...] | None = None
+
+
+def outputs(measured: FirstPass | Measured) -> list[Output]:
+    """Every tier's text on every prompt of a pass, judged against the no-connector server's text
+    on the same prompt, with its gaps where they were scored."""
+
+    def gap(tier: str, index: int) -> tuple[float, ...] | None:
+        per_prompt = measured.gaps.get(tier, [])
+        return per_prompt[index] if index < len(per_prompt) else None
+
+    return [Output(tier, index, text, (measured.baseline[index][1],), gap(tier, index))
+            for tier, runs in measured.runs.items() for index, (_, text) in enumerate(runs)]
+
+
+def output_checks(judged: list[Output]) -> dict[str, Any]:
+    """OUTPUT_KEYS over ``judged``: identical (no text differs), correct (every difference a tie
+    flip), the counts and the largest gap scored."""
+    counts = tally(judged)
+    return {"outputs_identical": not any(output.unexpected for output in judged),
+            "outputs_correct": counts["wrong_outputs"] == 0, **counts}
+
+
+def differing_outputs(passes: dict[str, list[Output]]) -> list[dict[str, Any]]:
+    """Each text that differs from the no-connector server's, named by pass, tier and prompt."""
+    return [{"pass": name, "tier": output.tier, "prompt": output.prompt, "got": output.text,
+             "expected": output.expected[0], "logprob_gaps": output.gaps,
+             "verdict": "tie_flip" if output.tie_flip else "wrong"}
+            for name, judged in passes.items() for output in judged if output.unexpected]
 
 
 def faults_per_load(faults: dict[str, list[int]]) -> dict[str, float | None]:
@@ -88,7 +138,7 @@ def first_pass_result(first: FirstPass, memcpy_gb_per_s: float) -> dict[str, Any
         **ratios,
         "copy_fraction_of_memcpy": first.load_gb_per_s / memcpy_gb_per_s,
         "server_page_faults_per_load": faults_per_load(first.server_faults),
-        "outputs_identical": same_texts(first.runs, first.baseline),
+        **output_checks(outputs(first)),
     }
 
 
@@ -105,11 +155,12 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def variant_result(m: Measured, memcpy_gb_per_s: float) -> dict[str, Any]:
-    """The ratio keys and raw figures of one variant (the top-level keys for the default)."""
+    """The ratio keys and raw figures of one variant (the top-level keys for the default); its
+    OUTPUT_KEYS and ``differing_outputs`` cover both passes, ``first_pass``'s the first alone."""
     ratios = tier_ratios(m.runs)
     blocks = miss_block_ratios(m.misses)
     first = first_pass_result(m.first_pass, memcpy_gb_per_s) if m.first_pass else None
-    identical = same_texts(m.runs, m.baseline) and (first is None or first["outputs_identical"])
+    passes = {"measured": outputs(m), **({"first": outputs(m.first_pass)} if m.first_pass else {})}
     repeats = len(m.runs["cold"])
     return {
         "l1_ttft_ratio": ratios["l1_ttft_ratio"],
@@ -128,7 +179,8 @@ def variant_result(m: Measured, memcpy_gb_per_s: float) -> dict[str, Any]:
         # step time says nothing about copy speed there.
         "store_fraction_of_memcpy": (m.store_gb_per_s / memcpy_gb_per_s
                                      if m.transfer_mode == "engine_driven" else None),
-        "outputs_identical": identical,
+        **output_checks([output for judged in passes.values() for output in judged]),
+        "differing_outputs": differing_outputs(passes),
         "repeats": repeats,
         "transfer_mode": m.transfer_mode,
         "ttft_s": {**ratios["ttft_s"], "no_connector": statistics.median(m.misses["baseline"])},
@@ -143,8 +195,8 @@ def variant_result(m: Measured, memcpy_gb_per_s: float) -> dict[str, Any]:
 def mode_entry(result: dict[str, Any]) -> dict[str, Any]:
     """What ``modes`` shows per transfer mode: the ratio keys and the evidence beside them."""
     keys = (*RATIO_KEYS, "miss_overhead_spread", "miss_overhead_blocks", "l1_ttft_ratio_per_prompt",
-            "disk_ttft_ratio_per_prompt", "store_fraction_of_memcpy", "outputs_identical",
-            "ttft_s", "hit_tokens_per_request", "miss_time_split_s",
+            "disk_ttft_ratio_per_prompt", "store_fraction_of_memcpy", *OUTPUT_KEYS,
+            "differing_outputs", "ttft_s", "hit_tokens_per_request", "miss_time_split_s",
             "hit_time_split_s", "server_page_faults_per_load", "first_pass")
     return {key: result[key] for key in keys}
 
@@ -200,7 +252,7 @@ def tuning_row(knob: Knob, tried: dict[str, Any], default: dict[str, Any]) -> di
         "delta_vs_default": delta,
         "noise": judged,
         "miss_overhead_spread": tried["miss_overhead_spread"],
-        "outputs_identical": tried["outputs_identical"],
+        **{key: tried[key] for key in OUTPUT_KEYS},
         "effect": verdict,
         "note": knob.note,
     }

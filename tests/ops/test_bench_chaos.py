@@ -22,7 +22,7 @@ def test_lost_and_wrong_are_counted_apart():
     report = chaos_report([run])
     fault = report["faults"][0]
     assert fault == {"name": "disk_full", "sent": 6, "answered": 3, "lost": 3, "wrong_outputs": 1,
-                     "tie_flips": 0, "engine_crashes": 0, "recovery_s": 2.5,
+                     "tie_flips": 0, "max_logprob_gap": 0.0, "engine_crashes": 0, "recovery_s": 2.5,
                      "lost_errors": ["ConnectionError", "HTTP 500"], "goal_met": False,
                      "wrong_examples": [{"prompt": -1, "got": "bad", "expected": ("ok", "ok."),
                                          "logprob_gaps": None}],
@@ -37,7 +37,7 @@ def test_an_unexpected_text_greedy_up_to_a_tie_is_a_flip_not_wrong():
     off = Sent(0.0, "no!", ("ok",), gaps=(0.0, 0.25, 0.0))
     fault = chaos_report([FaultRun("lmcache_stop", [tie, off, _sent("ok")], 0.0, [Probe(1.0, True)], 0)])
     fault = fault["faults"][0]
-    assert (fault["wrong_outputs"], fault["tie_flips"]) == (1, 1)
+    assert (fault["wrong_outputs"], fault["tie_flips"], fault["max_logprob_gap"]) == (1, 1, 0.25)
     assert fault["wrong_examples"][0]["logprob_gaps"] == (0.0, 0.25, 0.0)
     assert fault["tie_flip_examples"][0]["got"] == "ok!"
     assert fault["goal_met"] is False

@@ -89,6 +89,79 @@ def test_outputs_differing_from_the_no_connector_server_are_reported():
                      _measured("engine_driven", 0.25, 0.2), [])
     assert report["outputs_identical"] is False
     assert report["modes"]["engine_driven"]["outputs_identical"] is True
+    # not scored by the no-connector server: nothing shows they are ties, so all 9 count as wrong
+    assert (report["wrong_outputs"], report["tie_flips"], report["outputs_correct"]) == (9, 0, False)
+    assert report["modes"]["engine_driven"]["outputs_correct"] is True
+
+
+EIGHT_TOKENS = (0.0,) * 8
+BF16_STEP = 0.03125  # one bf16 step of the tiny model's logits in [4, 8) (ops/bench/greedy.py)
+
+
+def _with_l1_texts(m: Measured, texts: list[str], l1_gaps: list[tuple[float, ...] | None]) -> Measured:
+    """``m`` whose L1 hits gave ``texts`` (the no-connector server said "w5 w6" on each prompt),
+    with the gaps the no-connector server scored for each (as kvops bench offload stores them)."""
+    from dataclasses import replace
+
+    runs = {**m.runs, "l1": [(seconds, text) for (seconds, _), text in zip(m.runs["l1"], texts, strict=True)]}
+    return replace(m, runs=runs, gaps={"cold": [None] * 3, "l1": l1_gaps, "disk": [None] * 3})
+
+
+def test_a_text_that_differs_only_by_a_tie_flip_is_correct_though_not_identical():
+    """Two L1 hits differ from the no-connector server's text: one took a token tied exactly with
+    the best (gap 0.0), the other one a bf16 step below it; both are greedy up to a tie."""
+    tie = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    one_step = (0.0, 0.0, BF16_STEP, 0.0, 0.0, 0.0, 0.0, 0.0)
+    default = _with_l1_texts(_measured("lmcache_driven", l1=0.05, miss=0.02),
+                             ["w5 w6", "w5 w9", "w5 w7"], [None, tie, one_step])
+    knob = Knob("chunk_size", 512, 256, "")
+    report = _report(default, _measured("engine_driven", 0.25, 0.2), [(knob, default)])
+    assert report["outputs_identical"] is False
+    assert report["outputs_correct"] is True
+    assert (report["tie_flips"], report["wrong_outputs"]) == (2, 0)
+    assert report["max_logprob_gap"] == BF16_STEP
+    assert [(d["pass"], d["tier"], d["prompt"], d["got"], d["verdict"]) for d in report["differing_outputs"]] == [
+        ("measured", "l1", 1, "w5 w9", "tie_flip"), ("measured", "l1", 2, "w5 w7", "tie_flip")]
+    assert report["differing_outputs"][1]["logprob_gaps"] == one_step
+    assert report["modes"]["lmcache_driven"]["outputs_correct"] is True
+    row = report["tuning"][0]
+    assert (row["outputs_identical"], row["outputs_correct"], row["tie_flips"]) == (False, True, 2)
+
+
+def test_a_text_whose_greedy_token_had_a_clear_margin_is_a_wrong_output():
+    """The 6th token is 0.125 nats (four bf16 steps) below the no-connector server's best there:
+    not a tie that flipped, so the variant's outputs are not correct."""
+    clear_margin = (0.0, 0.0, 0.0, 0.0, 0.0, 0.125, 0.0, 0.0)
+    default = _with_l1_texts(_measured("lmcache_driven", l1=0.05, miss=0.02),
+                             ["w5 w6", "w5 w6", "w8 w6"], [None, None, clear_margin])
+    report = _report(default, _measured("engine_driven", 0.25, 0.2), [])
+    assert (report["outputs_identical"], report["outputs_correct"]) == (False, False)
+    assert (report["wrong_outputs"], report["tie_flips"]) == (1, 0)
+    assert report["max_logprob_gap"] == 0.125
+    assert report["differing_outputs"] == [
+        {"pass": "measured", "tier": "l1", "prompt": 2, "got": "w8 w6", "expected": "w5 w6",
+         "logprob_gaps": clear_margin, "verdict": "wrong"}]
+    assert report["modes"]["engine_driven"]["outputs_correct"] is True
+
+
+def test_each_pass_scores_its_own_differences_and_the_variant_both():
+    """A wrong disk hit in the first pass and a tie flip in the measured one: the first pass
+    says wrong, the variant (top level) counts both and is not correct."""
+    from dataclasses import replace
+
+    steady = _with_l1_texts(_measured("lmcache_driven", l1=0.05, miss=0.02),
+                            ["w5 w7", "w5 w6", "w5 w6"], [EIGHT_TOKENS, None, None])
+    first = FirstPass(runs={"cold": [(2.0, "w5 w6")] * 3, "l1": [(0.12, "w5 w6")] * 3,
+                            "disk": [(0.16, "w5 w6"), (0.16, "w9 w9"), (0.16, "w5 w6")]},
+                      baseline=[(1.9, "w5 w6")] * 3, load_gb_per_s=0.8,
+                      gaps={"disk": [None, (0.0, 2.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), None]})
+    report = _report(replace(steady, first_pass=first), _measured("engine_driven", 0.25, 0.2), [])
+    fresh = report["first_pass"]
+    assert (fresh["wrong_outputs"], fresh["tie_flips"], fresh["outputs_correct"]) == (1, 0, False)
+    assert fresh["max_logprob_gap"] == 2.5
+    assert (report["wrong_outputs"], report["tie_flips"], report["outputs_correct"]) == (1, 1, False)
+    assert [(d["pass"], d["verdict"]) for d in report["differing_outputs"]] == [
+        ("measured", "tie_flip"), ("first", "wrong")]
 
 
 
