@@ -22,7 +22,6 @@ PROBLEMS: dict[str, tuple[str, ...]] = {
     "inconclusive": ("limit-not-reached", "client-bound", "target-down", "scrape-timeout",
                      "preempted", "no-samples"),
 }
-RUNBOOKS = "runbooks/"
 KV_USAGE_BOUND = 0.9
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from kvops.core.errors import BadInputError, KvopsError
 from kvops.core.files import parse_json, read_text
 from kvops.core.promql import IDENTITY_READS, answers_from_many
-from kvops.core.verdict import KV_USAGE_BOUND, RUNBOOKS, Verdict, healthy
+from kvops.core.verdict import KV_USAGE_BOUND, Verdict, healthy
 
 
 def diagnose_live(url: str, window_s: float = 5.0) -> list[Verdict]:
@@ -71,25 +71,25 @@ def diagnose_samples(first: Any, last: Any) -> list[Verdict]:
             "kv-exhaustion", "kv-capacity", base,
             "the KV cache is full: run `kvops loadtest kv-exhaustion --url URL` to find the knee; "
             "raise --gpu-memory-utilization / --kv-cache-memory-bytes, use --kv-cache-dtype fp8, "
-            f"or lower --max-num-seqs ({RUNBOOKS}kv-exhaustion.md)"))
+            "or lower --max-num-seqs (`kvops runbook kv-exhaustion`)"))
     elif waiting >= 1:
         verdicts.append(Verdict(
             "kv-exhaustion", "compute-bound", base,
             "requests wait while KV is free: the token budget or compute limits admission; "
             "check --max-num-batched-tokens and --max-num-seqs, or add replicas "
-            f"({RUNBOOKS}kv-exhaustion.md)"))
+            "(`kvops runbook kv-exhaustion`)"))
     if prefix_caching_enabled(last) is False:
         verdicts.append(Verdict(
             "prefix-miss", "prefix-caching-disabled",
             {"enable_prefix_caching": last.cache_config.get("enable_prefix_caching")},
             "restart vllm serve without --no-enable-prefix-caching "
-            f"({RUNBOOKS}prefix-miss.md)"))
+            "(`kvops runbook prefix-miss`)"))
     ext_q = delta(first, last, "external_prefix_queries")
     if ext_q > 0 and delta(first, last, "external_prefix_hits") == 0:
         verdicts.append(Verdict(
             "prefix-miss", "offload-miss", {"external_prefix_queries": ext_q,
                                             "external_prefix_hits": 0},
-            f"the offload tier answers no lookups: check the LMCache server ({RUNBOOKS}offload.md)"))
+            "the offload tier answers no lookups: check the LMCache server (`kvops runbook offload`)"))
     verdicts.extend(_offload_verdicts(last))
     queue = hist_mean(first, last, "queue")
     ttft = hist_mean(first, last, "ttft")
@@ -98,7 +98,7 @@ def diagnose_samples(first: Any, last: Any) -> list[Verdict]:
             "ttft-regression", "queueing",
             {"queue_mean_s": round(queue, 4), "ttft_mean_s": round(ttft, 4), "waiting": waiting},
             "most of TTFT is queueing: arrival rate exceeds the drain rate; compare with a baseline "
-            f"via `kvops loadtest ttft-regression --baseline FILE` ({RUNBOOKS}ttft-regression.md)"))
+            "via `kvops loadtest ttft-regression --baseline FILE` (`kvops runbook ttft-regression`)"))
     return verdicts or [healthy(**base)]
 
 
@@ -111,18 +111,18 @@ def _offload_verdicts(last: Any) -> list[Verdict]:
         return [Verdict(
             "offload", "unreachable", evidence,
             "the LMCache server does not answer: `kvops offload status --url LMCACHE_URL`, restart it "
-            f"with `kvops offload serve --config kvops.yaml` ({RUNBOOKS}offload.md)")]
+            "with `kvops offload serve --config kvops.yaml` (`kvops runbook offload`)")]
     if degraded is not None and degraded > 0:
         return [Verdict(
             "offload", "degraded", evidence,
             "the connector runs degraded (recomputing instead of loading): check the vLLM log for "
-            f"kvops offload errors and `kvops offload status` ({RUNBOOKS}offload.md)")]
+            "kvops offload errors and `kvops offload status` (`kvops runbook offload`)")]
     disk = last.values.get("kvops_offload_disk_degraded")
     if disk is not None and disk > 0:
         return [Verdict(
             "offload", "degraded", {**evidence, "kvops_offload_disk_degraded": disk},
             "the disk tier refuses writes (full or read-only; the vLLM log's `kvops offload DISK "
-            f"DEGRADED` line says which): free space or remount it read-write ({RUNBOOKS}offload.md)")]
+            "DEGRADED` line says which): free space or remount it read-write (`kvops runbook offload`)")]
     # the canary stored a prefix and could not load it back: every other gauge can read healthy
     # while offloaded prefixes are never restored (plugin/offload/canary.py)
     load_path = last.values.get("kvops_offload_load_path_ok")
@@ -131,7 +131,7 @@ def _offload_verdicts(last: Any) -> list[Verdict]:
             "offload", "load-path", {**evidence, "kvops_offload_load_path_ok": load_path},
             "the connector stores KV but its load-path canary could not load it back: run "
             "`kvops offload check --url URL` for the reason (L1 smaller than a chunk, a tier that "
-            f"returns nothing, wrong KV) ({RUNBOOKS}offload.md)")]
+            "returns nothing, wrong KV) (`kvops runbook offload`)")]
     return []
 
 

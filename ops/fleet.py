@@ -101,10 +101,10 @@ def _unscraped(instance: str, error: dict[str, Any]) -> Verdict:
             "inconclusive", "scrape-timeout", evidence,
             f"the replica took Prometheus' scrape and did not answer /metrics within "
             f"{error.get('scrape_timeout') or 'scrape_timeout'}: an overloaded server does this; read "
-            f"it directly with `kvops diagnose --url http://{instance}` and see runbooks/kv-exhaustion.md "
-            "(runbooks/startup-kv-oom.md if it does not answer at all)")
+            f"it directly with `kvops diagnose --url http://{instance}` and see `kvops runbook kv-exhaustion` "
+            "(`kvops runbook startup-kv-oom` if it does not answer at all)")
     return Verdict("inconclusive", "target-down", evidence,
-                   "Prometheus cannot scrape this replica: is it running? (runbooks/startup-kv-oom.md)")
+                   "Prometheus cannot scrape this replica: is it running? (`kvops runbook startup-kv-oom`)")
 
 
 def _samples(prom: Prometheus, sel: str, window_s: float) -> dict[str, tuple[MetricsSample, MetricsSample]]:
@@ -179,6 +179,6 @@ def _not_compared(instance: str, up: float, error: dict[str, Any]) -> dict[str, 
     else:
         row["explanation"] = ("not compared: Prometheus cannot scrape it"
                               + (f" ({error['last_error']})" if error.get("last_error") else "")
-                              + f": is it running? (runbooks/startup-kv-oom.md); once it is, {direct}")
+                              + f": is it running? (`kvops runbook startup-kv-oom`); once it is, {direct}")
     return row
 

@@ -11,7 +11,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-FOLDER_OF = {"kvops.core": "core", "kvops.plugin": "plugin", "kvops.ops": "ops", "kvops.loadtest": "loadtest", "kvops": "kvops"}
+FOLDER_OF = {"kvops.core": "core", "kvops.plugin": "plugin", "kvops.ops": "ops", "kvops.loadtest": "loadtest",
+             "kvops.runbooks": "runbooks", "kvops": "kvops"}
 
 
 def _package_dirs() -> set[str]:

@@ -273,7 +273,7 @@ def _no_limit(config: KvExhaustionConfig, steps: list[StepResult], evidence: dic
         return Verdict("inconclusive", "client-bound", {**evidence, "in_flight_seen_at_top": seen},
                        f"the server saw at most {seen:.0f} of the {top.users} users' requests: the "
                        "load generator fell behind; rerun with --workers N or on a machine with "
-                       "more CPU for the client (runbooks/kv-exhaustion.md)")
+                       "more CPU for the client (`kvops runbook kv-exhaustion`)")
     if ramp is None:
         tested, predicted = evidence["max_users_tested"], evidence.get("predicted_max_concurrency")
         evidence["note"] = (f"no limit bound up to the {tested} users asked for"
@@ -282,7 +282,7 @@ def _no_limit(config: KvExhaustionConfig, steps: list[StepResult], evidence: dic
                        f"{tested} users fit: the KV limit lies beyond them and this run did not "
                        "test it; to find it, rerun without --users or steps (a ramp sized to the "
                        "server's KV cache)" + (f" or with --users {2 * int(predicted)}" if predicted else "")
-                       + " (runbooks/kv-exhaustion.md)")
+                       + " (`kvops runbook kv-exhaustion`)")
     return Verdict("inconclusive", "limit-not-reached", evidence, next_run(ramp, config))
 
 
@@ -294,13 +294,13 @@ def _next(cause: str) -> str:
     return {
         KV_BOUND: "KV-bound: `kvops plan` for this model, then raise --gpu-memory-utilization / "
                   "--kv-cache-memory-bytes, use --kv-cache-dtype fp8, or cap --max-num-seqs at the "
-                  "predicted concurrency (runbooks/kv-exhaustion.md)",
+                  "predicted concurrency (`kvops runbook kv-exhaustion`)",
         SEQ_BOUND: "running is pinned at --max-num-seqs with KV to spare: raise --max-num-seqs "
-                   "(runbooks/kv-exhaustion.md)",
+                   "(`kvops runbook kv-exhaustion`)",
         COMPUTE_BOUND: "requests queue with KV and sequences to spare: raise "
-                       "--max-num-batched-tokens or add replicas (runbooks/kv-exhaustion.md)",
+                       "--max-num-batched-tokens or add replicas (`kvops runbook kv-exhaustion`)",
         FAILING: "requests fail under load: read the server log around the knee "
-                 "(runbooks/kv-exhaustion.md)",
+                 "(`kvops runbook kv-exhaustion`)",
     }[cause]
 
 

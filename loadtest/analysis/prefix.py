@@ -170,7 +170,7 @@ def _verdict(s: dict[str, Any], items: list[PrefixTokens], samples: list[Metrics
     cache_fails = expected >= 0.02 and measured < min_ratio * expected
     if cache_fails and samples and prefix_caching_enabled(samples[-1]) is False:
         return Verdict("prefix-miss", "prefix-caching-disabled", s,
-                       "restart vllm serve without --no-enable-prefix-caching (runbooks/prefix-miss.md)")
+                       "restart vllm serve without --no-enable-prefix-caching (`kvops runbook prefix-miss`)")
     found = inferred_drift(s, inferred, tokenizer)
     declared = any(i.record.group is not None for i in items)
     if found is not None and (not declared or not ideal < min_ratio * intended):
@@ -187,20 +187,20 @@ def _verdict(s: dict[str, Any], items: list[PrefixTokens], samples: list[Metrics
             "text_from": tokenizer.text(member.tokens[index:index + 6]),
         }, f"prompts of group {group} differ from token {index} on, inside the part meant to be "
            "shared: move per-request fields (timestamps, ids) after the shared prefix or make the "
-           "template deterministic (runbooks/prefix-miss.md)")
+           "template deterministic (`kvops runbook prefix-miss`)")
     ext_q = delta(samples[0], samples[-1], "external_prefix_queries") if len(samples) >= 2 else 0.0
     if ext_q > 0:
         ext_h = delta(samples[0], samples[-1], "external_prefix_hits")
         return Verdict("prefix-miss", "offload-miss", {**s, "external_queries": ext_q,
                                                        "external_hits": ext_h},
                        "the offload tier misses blocks the workload shares: check the LMCache "
-                       "server's size and eviction (runbooks/offload.md)")
+                       "server's size and eviction (`kvops runbook offload`)")
     usage = max((x.get("kv_usage") for x in samples), default=0.0)
     preempt = delta(samples[0], samples[-1], "preemptions") if len(samples) >= 2 else 0.0
     return Verdict("prefix-miss", "eviction", {**s, "kv_usage_max": round(usage, 4),
                                                "preemptions": preempt, **evictions(samples)},
                    "shared blocks are evicted before reuse: give the KV cache more memory or "
-                   "offload it (runbooks/prefix-miss.md)")
+                   "offload it (`kvops runbook prefix-miss`)")
 
 
 def evictions(samples: list[MetricsSample]) -> dict[str, float | None]:
@@ -245,7 +245,7 @@ def inferred_drift(s: dict[str, Any], inferred: Inferred, tokenizer: ServerToken
                    f"{len(top.members)} near-identical prompts differ from token {index} on, "
                    f"with {top.shared_after} shared tokens after it: {what}; the hit rate could "
                    f"be {s['could_be_hit_rate']} instead of {s['ideal_hit_rate']} "
-                   "(runbooks/prefix-miss.md)")
+                   "(`kvops runbook prefix-miss`)")
 
 
 def _tokens_of(record: RequestRecord, tokenizer: ServerTokenizer) -> PrefixTokens:

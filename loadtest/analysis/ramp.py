@@ -88,7 +88,7 @@ def next_run(ramp: dict[str, Any] | None, config: KvExhaustionConfig) -> str:
     if not ramp or not ramp.get("predicted_knee_users"):
         return ("the server publishes no KV capacity (vllm:cache_config_info): give the load "
                 "explicitly, e.g. --users 64 --duration 120, and check the knee by hand "
-                "(runbooks/kv-exhaustion.md)")
+                "(`kvops runbook kv-exhaustion`)")
     knee = int(ramp["predicted_knee_users"])
     top = int(ramp["wanted_top_users"])
     reached = int(ramp["steps"][-1]) if ramp.get("steps") else 0
@@ -98,14 +98,14 @@ def next_run(ramp: dict[str, Any] | None, config: KvExhaustionConfig) -> str:
                 "predicted to hold: requests used less KV than their lengths say (shared prefix "
                 "blocks, outputs ending before max_tokens: set ignore_eos in the workload) or "
                 f"the server has more blocks than it publishes; rerun with --users {4 * knee} "
-                "(runbooks/kv-exhaustion.md)")
+                "(`kvops runbook kv-exhaustion`)")
     if reached >= top:  # stopped at the scenario's max_users, short of 2 x the knee
         return (f"the knee is predicted at ~{knee} users, beyond the scenario's max_users "
                 f"{config.max_users}: rerun with --users {2 * knee} --duration "
                 f"{math.ceil(len(doubling_steps(2 * knee)) * config.step_s)} "
-                "(runbooks/kv-exhaustion.md)")
+                "(`kvops runbook kv-exhaustion`)")
     steps = len(doubling_steps(top))
     seconds = math.ceil(steps * max(config.min_step_s, min(config.step_s, 10.0)))
     return (f"the knee is predicted at ~{knee} users; rerun with "
             f"--duration {seconds} (or --users {top}) to step up to {top} users "
-            "(runbooks/kv-exhaustion.md)")
+            "(`kvops runbook kv-exhaustion`)")

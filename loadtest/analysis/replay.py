@@ -156,12 +156,12 @@ def _verdict(s: dict[str, Any], last: MetricsSample, shortfall: float, tolerance
                        f"the server preempted {s['preemptions']:.0f} requests during the replay: their "
                        "recomputed blocks count as prefix hits again, so the measured ratio is "
                        "inflated; rerun with fewer users (users: in the scenario file) or a lower "
-                       "--speedup (runbooks/prefix-miss.md)")
+                       "--speedup (`kvops runbook prefix-miss`)")
     if shortfall <= tolerance:
         return healthy(**s)
     if prefix_caching_enabled(last) is False:
         return Verdict("prefix-miss", "prefix-caching-disabled", s,
-                       "restart vllm serve without --no-enable-prefix-caching (runbooks/prefix-miss.md)")
+                       "restart vllm serve without --no-enable-prefix-caching (`kvops runbook prefix-miss`)")
     # the prompts themselves fall short: not even an infinite cache reaches the prediction
     if s["ideal_hit_rate"] < s["read_predicted_hit_ratio"] - tolerance:
         found = prefix.inferred_drift(s, inferred, tokenizer)
@@ -170,10 +170,10 @@ def _verdict(s: dict[str, Any], last: MetricsSample, shortfall: float, tolerance
     if s["offload"]:
         return Verdict("prefix-miss", "offload-miss", s,
                        "the offload tier misses blocks the trace reuses: check the LMCache server's "
-                       "size and eviction, and offload_tokens (runbooks/offload.md)")
+                       "size and eviction, and offload_tokens (`kvops runbook offload`)")
     return Verdict("prefix-miss", "eviction", s,
                    "the server's cache loses blocks the trace reuses sooner than an LRU cache of its "
-                   "size would: give the KV cache more memory or offload it (runbooks/prefix-miss.md)")
+                   "size would: give the KV cache more memory or offload it (`kvops runbook prefix-miss`)")
 
 
 def planned_seconds(config: TraceReplayConfig, trace: Path | None) -> float:

@@ -188,7 +188,7 @@ def _client_bound(table: dict[str, Any], base: dict[str, Any], cand: dict[str, A
                                                      **_load_evidence(base, cand, config, late)},
                    f"the load generator fell behind its arrival schedule in {_behind(late, config.late_s)} "
                    f"with users to spare: the load compared is not the load asked for. Rerun with "
-                   f"{_RERUN} and compare again (runbooks/ttft-regression.md)")
+                   f"{_RERUN} and compare again (`kvops runbook ttft-regression`)")
 
 
 def _no_samples(evidence: dict[str, Any], sides: Sequence[str]) -> Verdict:
@@ -197,7 +197,7 @@ def _no_samples(evidence: dict[str, Any], sides: Sequence[str]) -> Verdict:
     return Verdict("inconclusive", "no-samples", {**evidence, "without_ttft": list(sides)},
                    f"no request of the {' and the '.join(sides)} run measured a TTFT (each "
                    f"failed, or none was sent): check that the server answers (`kvops diagnose "
-                   f"--url URL`) and run it again (runbooks/ttft-regression.md)")
+                   f"--url URL`) and run it again (`kvops runbook ttft-regression`)")
 
 
 def no_baseline(summary: dict[str, Any], late_s: float) -> Verdict:
@@ -225,7 +225,7 @@ def no_baseline(summary: dict[str, Any], late_s: float) -> Verdict:
                     "comparison_reliable": False, "client_behind": [late.to_dict()]},
                    f"the load generator fell behind its arrival schedule in {_behind([late], late_s)} "
                    f"with users to spare: this run offered less than the load asked for and is no "
-                   f"baseline. Record it again with {_RERUN} (runbooks/ttft-regression.md)")
+                   f"baseline. Record it again with {_RERUN} (`kvops runbook ttft-regression`)")
 
 
 def _row(config: TtftRegressionConfig, base: Sequence[Any], cand: Sequence[Any],
@@ -291,14 +291,14 @@ def _cause_verdict(table: dict[str, Any], base: dict[str, Any], cand: dict[str, 
     nxt = {
         "load": f"{offered}: that is load, not a slower phase. Compare at the baseline's rate and "
                 "lengths, or size for this load: find the knee with `kvops loadtest kv-exhaustion` "
-                "and add replicas (runbooks/ttft-regression.md)",
+                "and add replicas (`kvops runbook ttft-regression`)",
         "queueing": "TTFT grew in the queue: arrivals outpace the drain rate; add replicas, lower "
-                    "the rate, or raise --max-num-seqs if KV allows (runbooks/ttft-regression.md)",
+                    "the rate, or raise --max-num-seqs if KV allows (`kvops runbook ttft-regression`)",
         "prefill": "TTFT grew in prefill at comparable load and lengths: lost prefix hits or a "
                    "slower build or flags; run `kvops loadtest prefix-miss` and compare the "
-                   "builds (runbooks/ttft-regression.md)",
+                   "builds (`kvops runbook ttft-regression`)",
         "decode": "decode got slower (ITL): check batch size, KV dtype and the build "
-                  "(runbooks/ttft-regression.md)",
+                  "(`kvops runbook ttft-regression`)",
     }[cause]
     if "server_ttft" in regressed:
         nxt += (" — the client fell behind its schedule, so its own percentiles are unreliable, "

@@ -30,6 +30,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "offload",
     "diagnose",
     "alerts",
+    "runbook",
     "loadtest",
     "trace",
 )

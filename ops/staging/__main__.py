@@ -11,12 +11,11 @@ import tempfile
 import threading
 from pathlib import Path
 
+from kvops.core import runbooks
 from kvops.core.errors import KvopsError
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 from kvops.ops.staging.fleet import Fleet, FleetSpec
 from kvops.ops.staging.webhook import Notification
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _say(text: str) -> None:
@@ -36,7 +35,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="kvops-staging-"))
     _say(f"building the tiny model and starting the fleet (logs in {root}) ...")
     model = build_tiny_model(root / "model", TinyModelSpec())
-    fleet = Fleet(FleetSpec(model=model, root=root, alerts=REPO / "runbooks" / "alerts.yaml"),
+    fleet = Fleet(FleetSpec(model=model, root=root, alerts=runbooks.data_path(runbooks.RULES_FILE)),
                   on_notification=_print_notification)
     try:
         fleet.start()

@@ -3,6 +3,7 @@ metric names that exist; and the markup parser itself on small pages."""
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -164,14 +165,33 @@ def test_inline_promql_parses(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_pages_named_by_verdicts_exist() -> None:
-    """`kvops diagnose` / `kvops loadtest` verdicts point operators at runbooks/<page>.md."""
+def _message_strings(path: Path) -> list[str]:
+    """The string constants of a module that are not docstrings (messages, verdicts' next)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    return [node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def _product_modules() -> list[Path]:
     repo = RUNBOOK_DIR.parent
-    named = {
-        match
-        for folder in ("ops", "loadtest", "plugin")
-        for path in (repo / folder).rglob("*.py")
-        for match in re.findall(r"runbooks/([a-z0-9-]+\.md)", path.read_text())
-    }
+    return [path for folder in ("core", "ops", "loadtest", "plugin") for path in (repo / folder).rglob("*.py")]
+
+
+def test_pages_named_by_verdicts_exist() -> None:
+    """`kvops diagnose` / `kvops loadtest` verdicts and errors point operators at a page by the
+    command that prints it from the installed kvops (`kvops runbook kv-exhaustion`)."""
+    named = {match for path in _product_modules() for text in _message_strings(path)
+             for match in re.findall(r"kvops runbook ([a-z0-9-]+)", text)}
     assert named, "no verdict names a runbook page any more"
-    assert named <= {p.name for p in PAGES}
+    assert {f"{name}.md" for name in named} <= {p.name for p in PAGES}
+
+
+def test_no_message_names_a_checkout_path_of_a_page() -> None:
+    """runbooks/<page>.md exists in a checkout only; an installed kvops has `kvops runbook`."""
+    offenders = [f"{path.relative_to(RUNBOOK_DIR.parent)}: {text!r}" for path in _product_modules()
+                 for text in _message_strings(path) if re.search(r"runbooks/[A-Za-z0-9_-]+\.(md|yaml|json)", text)]
+    assert offenders == []
