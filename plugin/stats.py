@@ -11,6 +11,7 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
+from kvops.plugin import stays_out
 from kvops.plugin.hooks import settings_of
 from kvops.plugin.metrics import publish_info
 
@@ -21,6 +22,8 @@ class KvopsStatLogger(AggregateStatLoggerBase):
     def __init__(self, vllm_config: Any, engine_indexes: list[int]) -> None:
         self.vllm_config = vllm_config
         self.engine_indexes = engine_indexes
+        if stays_out():  # an unsupported vLLM (kvops.plugin.guest): no kvops series either
+            return
         settings = settings_of(vllm_config)
         publish_info(vllm_config, settings)
         from kvops.plugin.fp8.metrics import publish_fp8
