@@ -228,6 +228,24 @@ def test_the_greedy_oracle_tells_a_misplaced_block_from_a_tie(vllm, tiny_model, 
     assert departed >= 7, f"only {departed} of {len(seeds)} misplaced blocks departed from greedy"
 
 
+def test_the_offload_bench_scores_the_token_ids_it_streamed(vllm, tiny_model):
+    """kvops bench offload streams each completion (for its TTFT) and, where the text differs
+    from the no-connector server's, has that server score the token ids it streamed: they and
+    the text are those vLLM returns for the same completion unstreamed (prompts shorter than a
+    128-token block, so both are computed alike, without the prefix cache), and, the server's
+    own greedy output, never depart from greedy under its scoring."""
+    from kvops.ops.bench.offload import OUTPUT_TOKENS, stream
+
+    stock = vllm(tiny_model, "--max-model-len", "2048", env={"VLLM_PLUGINS": "none"})
+    for seed in (100, 101, 102):
+        prompt = token_prompt(seed, length=100)
+        _, text, ids = stream(stock.url, tiny_model, prompt)
+        unstreamed = greedy.complete(stock.url, str(tiny_model), prompt, OUTPUT_TOKENS)
+        assert (text, ids) == (unstreamed.text, unstreamed.token_ids), f"seed {seed}"
+        gaps = greedy.gaps(stock.url, str(tiny_model), prompt, ids)
+        assert greedy.departs(gaps) is None, f"seed {seed}: the server's own greedy output {gaps}"
+
+
 def test_evicted_prefix_is_served_from_l1_with_identical_output(
     offload_vllm, tiny_model, lmcache, stock_outputs
 ):
