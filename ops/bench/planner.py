@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvops.ops.bench import gpu_logs
+
 _ORACLE = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -101,4 +103,4 @@ def run() -> dict[str, Any]:
                          capture_output=True, text=True)
     agreement = json.loads(out.stdout.strip().splitlines()[-1])
     return {**agreement, "plan_seconds": plan_s, "import_vllm_seconds": import_s,
-            "speed_ratio": plan_s / import_s}
+            "speed_ratio": plan_s / import_s, **gpu_logs.run()}

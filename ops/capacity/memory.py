@@ -11,25 +11,20 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kvops.core.errors import BadInputError
 from kvops.core.plan import NonKvSources, NonKvTerms
+from kvops.ops.capacity.activation import FIT_RUNS, NON_TORCH_GIB, ActivationShape
 from kvops.ops.capacity.calibration import MAX_GIB, Calibration
 from kvops.ops.capacity.constants import (
-    ACTIVATION_PEAK_GIB_PER_8K_TOKENS,
     CUDA_GRAPH_GIB_PER_CAPTURE_SIZE,
     CUDA_GRAPH_MAX_CAPTURE,
     GIB,
     GPU_CATALOG_GIB,
-    MODEL_DTYPE_BYTES,
-    NON_TORCH_GIB,
     VLLM_VERSION,
 )
-from kvops.ops.capacity.model import text_config
 
 WEIGHTS_FROM_HEADERS, WEIGHTS_ESTIMATED = "safetensors headers", "estimate from config.json"
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -52,7 +47,8 @@ class PlanInputs:
     headroom_fraction: float = 0.0  # KV blocks kept free beyond max_num_seqs risk-quantile requests
     max_num_batched_tokens: int | None = None
     pp_layer_partition: tuple[int, ...] | None = None  # VLLM_PP_LAYER_PARTITION
-    weights_bytes: int | None = None
+    weights_rank_bytes: int | None = None  # one rank's (the largest pipeline stage's)
+    activation: ActivationShape | None = None  # the model's shapes for the default activation terms
     weights_source: str = WEIGHTS_ESTIMATED
     activation_gib: float | None = None
     non_torch_gib: float | None = None
@@ -145,27 +141,6 @@ def safetensors_bytes(model_dir: Path) -> int:
     return total
 
 
-def _size(cfg: Mapping[str, Any], key: str) -> int:
-    """A count the weights estimate multiplies: absent is 0, negative or not whole is refused."""
-    value = cfg.get(key)
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise BadInputError(f"config field {key!r} must be a whole number >= 0, got {value!r}")
-    return value
-
-
-def estimate_weights_bytes(raw: dict[str, Any], dtype: str) -> int:
-    """Dense decoder estimate from config (MoE: all experts); exact needs --model-dir."""
-    cfg = text_config(raw)
-    h, n = _size(cfg, "hidden_size"), _size(cfg, "num_hidden_layers")
-    inter = _size(cfg, "moe_intermediate_size") or _size(cfg, "intermediate_size") or 4 * h
-    experts = _size(cfg, "num_local_experts") or _size(cfg, "n_routed_experts") or _size(cfg, "num_experts") or 1
-    vocab = _size(cfg, "vocab_size")
-    params = n * (4 * h * h + 3 * h * inter * experts) + vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    return params * int(MODEL_DTYPE_BYTES[dtype])
-
-
 def capture_sizes(max_num_seqs: int) -> int:
     """How many CUDA graphs vLLM captures (config/vllm.py): [1,2,4] + 8..248 step 8 + 256.. step 16."""
     top = min(2 * max_num_seqs, CUDA_GRAPH_MAX_CAPTURE)
@@ -209,15 +184,15 @@ def non_kv_terms(inp: PlanInputs, max_num_seqs: int, mnbt: int) -> tuple[NonKvTe
         return NonKvTerms(**terms), NonKvSources(**sources)
     cal_source = f"calibration ({cal.source})" if cal else ""
     defaults = {
-        "activation_gib": (ACTIVATION_PEAK_GIB_PER_8K_TOKENS * mnbt / 8192,
-                           f"default {ACTIVATION_PEAK_GIB_PER_8K_TOKENS} GiB per 8192 batched tokens (v0.19 H100)"),
-        "non_torch_gib": (NON_TORCH_GIB[inp.tp * inp.pp > 1], "default by TP (v0.19 H100: NCCL/custom all-reduce)"),
+        "activation_gib": default_activation(inp, max_num_seqs, mnbt),
+        "non_torch_gib": default_non_torch(inp),
         "cudagraph_gib": ((CUDA_GRAPH_GIB_PER_CAPTURE_SIZE * capture_sizes(max_num_seqs), "default per capture size "
                            f"({capture_sizes(max_num_seqs)} graphs at max_num_seqs {max_num_seqs})")
                           if inp.device == "cuda" else (0.0, "no CUDA graphs on cpu")),
     }
-    terms = {"weights_gib": (inp.weights_bytes or 0) / (inp.tp * inp.pp) / GIB}
-    sources = {"weights_gib": "model bytes / (TP × PP)"}
+    terms = {"weights_gib": (inp.weights_rank_bytes or 0) / GIB}
+    sources = {"weights_gib": inp.weights_source + (" / (TP × PP)" if inp.weights_source == WEIGHTS_FROM_HEADERS
+                                                     else "")}
     if cal is not None and cal.weights_gib is not None and cal.model == inp.model_ref:
         terms["weights_gib"], sources["weights_gib"] = cal.weights_gib, f"{cal_source}, same model"
     for key, (default, why) in defaults.items():
@@ -233,6 +208,24 @@ def non_kv_terms(inp: PlanInputs, max_num_seqs: int, mnbt: int) -> tuple[NonKvTe
         else:
             terms[key], sources[key] = default, why
     return NonKvTerms(**terms), NonKvSources(**sources)
+
+
+def default_activation(inp: PlanInputs, max_num_seqs: int, mnbt: int) -> tuple[float, str]:
+    """The profile run's peak when nothing measured it: forward at mnbt tokens + sampler warm-up."""
+    shape = inp.activation
+    if shape is None:  # no config shapes (a calibration lump without weights): the old flat default
+        return 2.0 * mnbt / 8192, "default 2.0 GiB per 8192 batched tokens (v0.19 H100)"
+    forward, sampler = shape.forward_gib(mnbt), shape.sampler_gib(max_num_seqs, mnbt)
+    return forward + sampler, (f"default: forward {forward:.2f} GiB at {mnbt} batched tokens + sampler warm-up "
+                               f"{sampler:.2f} GiB ({min(max_num_seqs, mnbt)} rows x {shape.vocab_padded} logits, "
+                               f"last pipeline stage); coefficients from {FIT_RUNS}")
+
+
+def default_non_torch(inp: PlanInputs) -> tuple[float, str]:
+    if inp.activation is not None:
+        return inp.activation.non_torch_gib(), (f"default for TP{inp.tp}/PP{inp.pp} (CUDA context, NCCL, "
+                                                f"custom all-reduce) from {FIT_RUNS}")
+    return NON_TORCH_GIB[2 if inp.tp * inp.pp > 1 else 1], "default by TP (v0.19 H100: NCCL/custom all-reduce)"
 
 
 def scaled_activation(measured: float, cal: Calibration | None, source: str, mnbt: int) -> tuple[float, str]:

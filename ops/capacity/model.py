@@ -97,8 +97,17 @@ def text_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         merged = dict(inner)
         for key in ("torch_dtype", "dtype", "architectures", "quantization_config"):
             merged.setdefault(key, raw.get(key))
-        return merged
-    return dict(raw)
+    else:
+        merged = dict(raw)
+    return {**_FAMILY_DEFAULTS.get(str(merged.get("model_type")), {}), **merged}
+
+
+# Fields a published config.json leaves to its transformers config class's defaults (Gemma-3's
+# text_config names only what differs from Gemma3TextConfig, transformers configuration_gemma3.py).
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {"vocab_size": 262_208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "max_position_embeddings": 131_072, "tie_word_embeddings": True},
+}
 
 
 def _int(cfg: Mapping[str, Any], key: str, *, minimum: int = 1) -> int:
@@ -116,7 +125,8 @@ def model_dtype(cfg: Mapping[str, Any], override: str | None = None) -> str:
     if name is None:
         return "bfloat16"  # no dtype in config (gpt-oss): vLLM serves bf16
     if not isinstance(name, str) or name not in MODEL_DTYPE_BYTES:
-        raise BadInputError(f"config field 'torch_dtype' {name!r} is not one of {sorted(MODEL_DTYPE_BYTES)}")
+        where = "--dtype" if override not in (None, "auto") else "config field 'torch_dtype'"
+        raise BadInputError(f"{where} {name!r} is not one of {sorted(MODEL_DTYPE_BYTES)}")
     return "bfloat16" if name in ("float32", "float") and override in (None, "auto") else name
 
 

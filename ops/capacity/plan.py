@@ -19,6 +19,7 @@ from kvops.core.offload.costs import OffloadCosts
 from kvops.core.plan import Fp8Alternative, MaxNumSeqsWhy, Plan, PlanSizing, WorkloadSummary
 from kvops.core.trace.read import Trace, read_trace
 from kvops.core.trace.reuse import ReuseProfile
+from kvops.ops.capacity.activation import activation_shape
 from kvops.ops.capacity.allocator import (
     KVCapacity,
     SizingFlags,
@@ -39,13 +40,13 @@ from kvops.ops.capacity.memory import (
     PlanInputs,
     check_calibration,
     device_total_gib,
-    estimate_weights_bytes,
     non_kv_terms,
     safetensors_bytes,
 )
 from kvops.ops.capacity.model import ModelKV, load_config, model_dtype, read_model, text_config
 from kvops.ops.capacity.offload import OffloadInputs, recommend_offload
 from kvops.ops.capacity.outputs import kvops_settings, offload_chunk_tokens, serve_command
+from kvops.ops.capacity.quantization import weight_format
 from kvops.ops.capacity.tiers import (
     prefix_curves,
     resolve_costs,
@@ -53,6 +54,7 @@ from kvops.ops.capacity.tiers import (
     with_offload_decision,
 )
 from kvops.ops.capacity.trace import trace_profile, trace_workload, with_trace
+from kvops.ops.capacity.weights import stage_weights
 from kvops.ops.capacity.workload import Workload, from_file, from_quantiles, parse_quantile
 
 
@@ -72,6 +74,8 @@ class PlanRequest:
     num_speculative_tokens: int = 0
     speculative_method: str | None = None
     model_dir: Path | None = None
+    quantization: str | None = None  # vllm serve --quantization (a bf16 checkpoint quantized while loading)
+    dtype: str | None = None  # vllm serve --dtype (auto: the checkpoint's, float32 served as bfloat16)
     # device
     gpu: str | None = None
     gpu_memory_gib: float | None = None
@@ -185,24 +189,42 @@ def _inputs(req: PlanRequest, raw: dict[str, Any]) -> PlanInputs:
     calibration = load_calibration(req.calibration) if req.calibration else None
     total, total_source = device_total_gib(req.device, req.gpu, req.gpu_memory_gib, req.memory_gib,
                                            calibration)
-    weights = safetensors_bytes(req.model_dir) if req.model_dir else estimate_weights_bytes(
-        raw, model_dtype(text_config(raw)))
+    weights, weights_source = _weights(req, raw)
     return PlanInputs(
         gpu_total_gib=total, device_total_source=total_source, kvops_yaml_path=req.kvops_yaml_path,
         tp=req.tensor_parallel_size, pp=req.pipeline_parallel_size,
         device=req.device, gpu=req.gpu, gpu_memory_utilization=req.gpu_memory_utilization,
         target_concurrency=req.target_concurrency, risk_quantile=req.risk_quantile, headroom_fraction=req.headroom,
         max_num_batched_tokens=req.max_num_batched_tokens,
-        pp_layer_partition=parse_pp_layer_partition(req.pp_layer_partition), weights_bytes=weights,
-        weights_source=WEIGHTS_FROM_HEADERS if req.model_dir else WEIGHTS_ESTIMATED,
+        pp_layer_partition=parse_pp_layer_partition(req.pp_layer_partition), weights_rank_bytes=weights,
+        activation=activation_shape(raw, model_dtype(text_config(raw), req.dtype), req.tensor_parallel_size,
+                                    req.pipeline_parallel_size),
+        weights_source=weights_source,
         activation_gib=req.activation_gib, non_torch_gib=req.non_torch_gib, cudagraph_gib=req.cudagraph_gib,
         calibration=calibration, model_ref=_model_ref(req.config, req.model_dir), draft_layers=req.draft_layers,
         distinct_prefixes=req.distinct_prefixes, prefix_tokens=req.prefix_tokens,
         host_memory_gib=req.host_memory_gib)
 
 
+def _weights(req: PlanRequest, raw: dict[str, Any]) -> tuple[int, str]:
+    """One rank's weights: the safetensors headers split evenly, or counted from config.json as
+    vLLM shards them (the largest pipeline stage: vLLM sizes every rank's cache alike)."""
+    ranks = req.tensor_parallel_size * req.pipeline_parallel_size
+    if req.model_dir:
+        if req.quantization is not None:
+            raise BadInputError("--quantization with --model-dir: the safetensors headers already hold the "
+                                "checkpoint's bytes; drop --quantization")
+        return safetensors_bytes(req.model_dir) // ranks, WEIGHTS_FROM_HEADERS
+    cfg = text_config(raw)
+    fmt = weight_format(cfg.get("quantization_config"), req.quantization)
+    dtype = model_dtype(cfg, req.dtype)
+    weights = stage_weights(raw, dtype, fmt, req.tensor_parallel_size, req.pipeline_parallel_size,
+                            parse_pp_layer_partition(req.pp_layer_partition))
+    return weights.max_bytes, f"{WEIGHTS_ESTIMATED} ({fmt.source if fmt else dtype})"
+
+
 def _read_model(raw: dict[str, Any], req: PlanRequest, kv_cache_dtype: str) -> ModelKV:
-    return read_model(raw, tp=req.tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
+    return read_model(raw, tp=req.tensor_parallel_size, kv_cache_dtype=kv_cache_dtype, dtype=req.dtype,
                       draft_layers=req.draft_layers, num_speculative_tokens=req.num_speculative_tokens,
                       speculative_method=req.speculative_method)
 
@@ -322,8 +344,8 @@ def _input_notes(inp: PlanInputs, weights_source: str) -> list[str]:
     if inp.device_total_source:
         notes.append(f"device memory {inp.gpu_total_gib:.2f} GiB: {inp.device_total_source}")
     if inp.weights_source != WEIGHTS_FROM_HEADERS and not weights_source.startswith("calibration"):
-        notes.append("weights estimated from config.json (dense formula); pass --model-dir for the "
-                     "exact safetensors bytes")
+        notes.append(f"weights {inp.weights_source}: counted per rank as vLLM shards them; pass --model-dir "
+                     "for the safetensors bytes")
     if inp.draft_layers:
         notes.append(f"KV sized with {inp.draft_layers} drafter layer(s): serve with your "
                      "--speculative-config (method mtp/eagle) so vLLM builds them")

@@ -160,6 +160,12 @@ GpuGib = Annotated[float | None, typer.Option(
 ModelDir = Annotated[Path | None, typer.Option(
     "--model-dir", hidden=True, help="Read weights from safetensors headers (default: estimate from config).",
     rich_help_panel=MODEL_PANEL)]
+Quantization = Annotated[str | None, typer.Option(
+    "--quantization", help="As vllm serve takes it: a bf16 checkpoint quantized while loading (fp8, bitsandbytes, "
+    "experts_int8); a quantized checkpoint's own method is read from its config.json.", rich_help_panel=MODEL_PANEL)]
+ModelDtype = Annotated[str | None, typer.Option(
+    "--dtype", help="As vllm serve takes it: auto (the checkpoint's; float32 served as bfloat16), bfloat16, "
+    "float16, float32.", rich_help_panel=MODEL_PANEL)]
 P50 = Annotated[int | None, typer.Option(
     "--p50", help="Median request length, prompt + output tokens.", rich_help_panel=WORKLOAD_PANEL)]
 P95 = Annotated[int | None, typer.Option(
@@ -223,7 +229,7 @@ def plan_cmd(
     max_model_len: MaxLen, config: ModelConfig = None, config_alias: ConfigAlias = None,
     kv_cache_dtype: KvDtype = KV_AUTO, draft_layers: Draft = 0,
     num_speculative_tokens: SpecTokens = 0, speculative_method: SpecMethod = None, model_dir: ModelDir = None,
-    gpu: Gpu = None, gpu_memory_gib: GpuGib = None, tensor_parallel_size: Tp = 1, pipeline_parallel_size: Pp = 1,
+    quantization: Quantization = None, dtype: ModelDtype = None, gpu: Gpu = None, gpu_memory_gib: GpuGib = None, tensor_parallel_size: Tp = 1, pipeline_parallel_size: Pp = 1,
     pp_layer_partition: PpPartition = None, device: Device = DeviceKind.cuda, memory_gib: MemoryGib = None,
     p50: P50 = None, p95: P95 = None, p99: P99 = None, lengths_file: LengthsFile = None,
     risk_quantile: RiskQuantile = "p95", headroom: Headroom = 0.0, target_concurrency: TargetConcurrency = None,

@@ -1,0 +1,201 @@
+"""``kvops bench planner``'s ``gpu_logs``: the planner against published vLLM start-up logs on GPUs.
+
+Each logged run (shared/fixtures/gpu-logs: vLLM's own "Model loading took", "Available KV cache
+memory" and "GPU KV cache size" lines with the server's arguments) is planned with ``kvops plan``'s
+code path from the model's real config.json, and the prediction is set beside the log. Where the
+logging vLLM accounted differently from 0.32 (``ACCOUNTING``), the plan is asked for that
+version's terms and the difference is named in the run's ``accounting``. The KV token count is
+checked on its own from the logged available KV: the allocator alone, given what the server had.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvops.core.errors import BadInputError
+from kvops.core.plan import Plan
+from kvops.core.units import GIB
+from kvops.ops.capacity.activation import activation_shape
+from kvops.ops.capacity.allocator import SizingFlags, kv_capacity
+from kvops.ops.capacity.model import load_config, model_dtype, read_model, text_config
+from kvops.ops.capacity.plan import PlanRequest, run_plan
+from kvops.ops.capacity.quantization import weight_format
+from kvops.ops.capacity.weights import stage_weights
+
+_REPO = Path(__file__).resolve().parents[2]
+LOGS = _REPO.parent / "shared" / "fixtures" / "gpu-logs" / "llm-d-planner-pr205-vllm-0.19-h100.jsonl"
+CONFIG_DIRS = (_REPO.parent / "shared" / "fixtures" / "model-configs", _REPO / "tests" / "fixtures" / "model-configs")
+# A logged model whose config is published here only under its base (or instruct) twin, with the
+# same sizes and no quantization of its own.
+SAME_SIZES = {
+    "meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Meta-Llama-3.1-8B",
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": "mistralai/Mixtral-8x7B-v0.1",
+    "deepseek-ai/DeepSeek-V2-Lite-Chat": "deepseek-ai/DeepSeek-V2-Lite",
+}
+# How a logging vLLM version sized KV where it differs from 0.32 (research/planner.md §1.2, §1.7).
+ACCOUNTING: dict[str, dict[str, Any]] = {
+    "0.19.0": {"cudagraph_gib": 0.0, "default_utilization": 0.9, "legacy_tokens": True,
+               "text": "vLLM 0.19: no CUDA-graph estimate deducted from KV (0.21+ deducts it); default "
+                       "gpu_memory_utilization 0.9 (0.32: 0.92); 'GPU KV cache size' = num_blocks // groups × "
+                       "block_size (0.32: max_concurrency × max_model_len)"},
+}
+# The runs whose non-KV figures set the activation and non-torch defaults (capacity/activation.py);
+# every other run is held out.
+FIT_MODELS = ("meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-7B-Instruct")
+_ROUNDING_GIB = 0.005  # the logs print GiB with two decimals
+
+
+@dataclass(frozen=True)
+class LoggedRun:
+    """One start-up log: the server's arguments and the three figures it printed."""
+
+    model: str
+    url: str
+    tp: int
+    pp: int
+    gpu_memory_utilization: float | None
+    max_model_len: int
+    kv_cache_dtype: str
+    block_size: int | None
+    vllm_version: str
+    weights_gib: float
+    available_kv_gib: float
+    kv_cache_tokens: int
+    args: dict[str, Any]
+
+
+def _args(notes: str) -> dict[str, Any]:
+    found = re.search(r"non-default args: (\{.*?\})\. ", notes)
+    return json.loads(found.group(1)) if found else {}
+
+
+def read_runs(path: Path = LOGS) -> list[LoggedRun]:
+    runs = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        runs.append(LoggedRun(
+            model=row["model"], url=row["url"], tp=row["tp"], pp=row["pp"],
+            gpu_memory_utilization=row["gpu_memory_utilization"], max_model_len=row["max_model_len"],
+            kv_cache_dtype=row["kv_cache_dtype"] or "auto", block_size=row["block_size"],
+            vllm_version=row["vllm_version"], weights_gib=row["model_loading_gib"],
+            available_kv_gib=row["available_kv_gib"], kv_cache_tokens=row["kv_cache_tokens"], args=_args(row["notes"])))
+    return runs
+
+
+def find_config(model: str, dirs: tuple[Path, ...] = CONFIG_DIRS) -> Path | None:
+    for name in (model, SAME_SIZES.get(model)):
+        if name is None:
+            continue
+        for folder in dirs:
+            for file in folder.glob("*.json"):
+                if file.stem.lower() == name.replace("/", "--").lower():
+                    return file
+    return None
+
+
+def _request(run: LoggedRun, config: Path) -> PlanRequest:
+    acct = ACCOUNTING.get(run.vllm_version, {})
+    return PlanRequest(
+        config=config, max_model_len=run.max_model_len, kv_cache_dtype=run.kv_cache_dtype, gpu="H100",
+        tensor_parallel_size=run.tp, pipeline_parallel_size=run.pp,
+        gpu_memory_utilization=run.gpu_memory_utilization or acct.get("default_utilization"),
+        cudagraph_gib=acct.get("cudagraph_gib"), quantization=run.args.get("quantization"),
+        dtype=run.args.get("dtype"))
+
+
+def _tokens(run: LoggedRun, req: PlanRequest, available_bytes: int) -> int:
+    """The logged token figure for ``available_bytes`` of KV, in the logging version's meaning."""
+    model = read_model(load_config(req.config), tp=run.tp, kv_cache_dtype=run.kv_cache_dtype, dtype=req.dtype)
+    flags = SizingFlags(max_model_len=run.max_model_len, block_size=run.block_size, max_num_batched_tokens=8192,
+                        pipeline_parallel_size=run.pp)
+    cap = kv_capacity(model, available_bytes, flags)
+    if ACCOUNTING.get(run.vllm_version, {}).get("legacy_tokens"):
+        return cap.num_blocks // len(cap.groups) * cap.block_size
+    return cap.kv_cache_size_tokens
+
+
+def _pct(predicted: float, logged: float) -> float:
+    return round((predicted / logged - 1) * 100, 3)
+
+
+def compare(run: LoggedRun, config: Path) -> dict[str, Any]:
+    """One run: the plan's weights, available KV and tokens against the log's."""
+    req = _request(run, config)
+    plan = run_plan(req)
+    weights, available = _first_stage(run, req, plan)
+    lo, hi = (round((run.available_kv_gib + d) * GIB) for d in (-_ROUNDING_GIB, _ROUNDING_GIB))
+    tokens_lo, tokens_hi = _tokens(run, req, lo), _tokens(run, req, hi)
+    return {
+        "model": run.model, "config": config.name, "url": run.url, "tp": run.tp, "pp": run.pp,
+        "fit": run.model in FIT_MODELS,
+        "max_model_len": run.max_model_len, "kv_cache_dtype": run.kv_cache_dtype,
+        "args": {k: v for k, v in run.args.items() if k in ("dtype", "quantization", "kv_cache_dtype")},
+        "logged": {"weights_gib": run.weights_gib, "available_kv_gib": run.available_kv_gib,
+                   "kv_cache_tokens": run.kv_cache_tokens},
+        "predicted": {"weights_gib": round(weights, 3), "available_kv_gib": round(available, 3),
+                      "kv_cache_tokens": _tokens(run, req, plan.capacity.available_kv_bytes),
+                      "non_kv": plan.non_kv.model_dump(), "weights_source": plan.non_kv_sources.weights_gib},
+        "weights_error_pct": _pct(weights, run.weights_gib),
+        "available_kv_error_pct": _pct(available, run.available_kv_gib),
+        "kv_tokens_from_logged_available": [tokens_lo, tokens_hi],
+        # with pipeline stages the log's available KV is stage 0's and its tokens the smallest stage's
+        "kv_tokens_exact": tokens_lo <= run.kv_cache_tokens <= tokens_hi if run.pp == 1 else None,
+        "accounting": ACCOUNTING.get(run.vllm_version, {}).get("text", f"vLLM {run.vllm_version}")
+        + ("; the log's figures are pipeline stage 0's, which holds the embedding and runs no sampler: the plan "
+           "sizes the last stage, so stage 0 is predicted from the same terms" if run.pp > 1 else ""),
+    }
+
+
+def _first_stage(run: LoggedRun, req: PlanRequest, plan: Plan) -> tuple[float, float]:
+    """(weights, available KV) GiB of the first stage's TP0 worker, the one whose lines the log holds."""
+    weights = plan.non_kv.weights_gib
+    if run.pp == 1:
+        return weights, plan.available_kv_gib
+    raw = load_config(req.config)
+    dtype = model_dtype(text_config(raw), req.dtype)
+    fmt = weight_format(text_config(raw).get("quantization_config"), req.quantization)
+    first = stage_weights(raw, dtype, fmt, run.tp, run.pp).per_stage_bytes[0] / GIB
+    shape = activation_shape(raw, dtype, run.tp, run.pp)
+    sampler = shape.sampler_gib(plan.max_num_seqs_why.caps["vllm_default"], plan.max_num_batched_tokens)
+    return first, plan.available_kv_gib + (weights - first) + sampler
+
+
+def run(path: Path = LOGS) -> dict[str, Any]:
+    """Every logged run whose config is here, the summary keys, and the runs left out and why."""
+    cases, skipped = [], []
+    for logged in read_runs(path):
+        config = find_config(logged.model)
+        if config is None:
+            skipped.append({"model": logged.model, "tp": logged.tp, "pp": logged.pp, "why": "no config.json here"})
+            continue
+        try:
+            cases.append(compare(logged, config))
+        except BadInputError as exc:
+            skipped.append({"model": logged.model, "tp": logged.tp, "pp": logged.pp, "why": str(exc)})
+    return summarize(cases, skipped, path)
+
+
+def summarize(cases: list[dict[str, Any]], skipped: list[dict[str, Any]], path: Path) -> dict[str, Any]:
+    weights = [abs(c["weights_error_pct"]) for c in cases]
+    kv = [c["available_kv_error_pct"] for c in cases]
+    held_out = [c["available_kv_error_pct"] for c in cases if not c["fit"]]
+    return {
+        "gpu_logs_source": str(path.name), "gpu_logs_cases": len(cases),
+        "weights_error_pct_max": max(weights, default=None),
+        "weights_error_pct_mean": round(statistics.fmean(weights), 3) if weights else None,
+        "available_kv_error_pct_mean": round(statistics.fmean(abs(x) for x in kv), 3) if kv else None,
+        "available_kv_error_pct_max": max((abs(x) for x in kv), default=None),
+        "available_kv_over_pct_max": max(kv, default=None),
+        "held_out_cases": len(held_out),
+        "available_kv_error_pct_mean_held_out": round(statistics.fmean(abs(x) for x in held_out), 3) if held_out
+        else None,
+        "available_kv_over_pct_max_held_out": max(held_out, default=None),
+        "kv_tokens_exact": sum(c["kv_tokens_exact"] is True for c in cases),
+        "kv_tokens_cases": sum(c["kv_tokens_exact"] is not None for c in cases),
+        "gpu_logs": cases, "gpu_logs_skipped": skipped,
+    }

@@ -1,0 +1,129 @@
+"""The weights estimate against two oracles outside kvops: transformers' own modules (parameter
+counts of each architecture family, built on the meta device from the same config.json), and
+the "Model loading took X GiB" lines of published vLLM 0.19 start-up logs on H100s (per rank,
+with tensor and pipeline parallelism, dtypes and a runtime fp8 quantization)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from kvops.core.errors import BadInputError
+from kvops.ops.bench.gpu_logs import LOGS, find_config, read_runs
+from kvops.ops.capacity.model import model_dtype, text_config
+from kvops.ops.capacity.quantization import weight_format
+from kvops.ops.capacity.weights import rank_params, stage_weights
+from kvops.ops.cli.main import app
+
+GIB = 2**30
+_SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=2, vocab_size=1024, max_position_embeddings=128)
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "llama-tied": {"tie_word_embeddings": True},
+    "qwen2": {"tie_word_embeddings": False},
+    "qwen3": {"head_dim": 64},
+    "qwen3_moe": {"head_dim": 64, "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"moe_intermediate_size": 128, "shared_expert_intermediate_size": 256, "num_experts": 8,
+                  "num_experts_per_tok": 2},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "gemma2": {"head_dim": 32},
+    "phi": {"num_key_value_heads": 8},
+    "granite": {},
+    "deepseek_v2": {"num_hidden_layers": 3, "num_key_value_heads": 8, "moe_intermediate_size": 128,
+                    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+                    "kv_lora_rank": 64, "q_lora_rank": 96, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+                    "v_head_dim": 32},
+}
+
+
+def _hf_config(family: str) -> tuple[dict[str, Any], int]:
+    """The config.json transformers writes for a small model of this family, and its parameter count."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type = family.split("-")[0]
+    cfg = AutoConfig.for_model(model_type, **{**_SMALL, **FAMILIES[family]})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return json.loads(cfg.to_json_string(use_diff=False)), sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_parameters_counted_as_transformers_builds_the_model(family: str) -> None:
+    raw, expected = _hf_config(family)
+    params = rank_params(raw)[0]
+    total = params.linear + params.experts + params.embedding + params.lm_head + params.other
+    positions = raw["max_position_embeddings"]
+    rotary_dim = raw.get("qk_rope_head_dim") or raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    rotary = positions * int(rotary_dim * raw.get("partial_rotary_factor", 1.0))  # vLLM's cos/sin cache, not in HF
+    assert total - rotary == expected
+
+
+def _logged_cases() -> list[Any]:
+    cases = []
+    for run in read_runs(LOGS):
+        config = find_config(run.model)
+        if config is not None:
+            cases.append(pytest.param(run, config, id=f"{run.model}-tp{run.tp}pp{run.pp}-{run.args.get('dtype')}"
+                                                      f"-{run.args.get('quantization')}"))
+    return cases
+
+
+@pytest.mark.parametrize(("run", "config"), _logged_cases())
+def test_weights_of_one_rank_match_vllms_model_loading_line(run: Any, config: Path) -> None:
+    raw = json.loads(config.read_text())
+    cfg = text_config(raw)
+    fmt = weight_format(cfg.get("quantization_config"), run.args.get("quantization"))
+    weights = stage_weights(raw, model_dtype(cfg, run.args.get("dtype")), fmt, run.tp, run.pp)
+    error = weights.per_stage_bytes[0] / GIB / run.weights_gib - 1  # the log is the first stage's TP0 worker
+    if fmt is not None and fmt.method == "mxfp4":
+        # vLLM lays mxfp4 experts out per kernel backend on Hopper (padding, swizzled scales:
+        # fused_moe/oracle/mxfp4.py); the estimate counts the checkpoint's packed bytes only.
+        assert -0.10 < error < 0
+    else:
+        assert abs(error) < 0.01, f"{weights.per_stage_bytes[0] / GIB:.3f} GiB vs logged {run.weights_gib}"
+
+
+def test_quantized_checkpoint_is_read_from_config() -> None:
+    fp8 = weight_format({"quant_method": "fp8", "weight_block_size": [128, 128]}, None)
+    assert fp8 is not None
+    assert fp8.method == "fp8"
+    assert 1 < fp8.per_element < 1.001
+    assert weight_format(None, None) is None
+
+
+@pytest.mark.parametrize(("qcfg", "flag", "message"), [
+    ("fp8", None, "'quantization_config' must be a mapping"),
+    ({"quant_method": "fp8"}, "awq", "does not match the checkpoint's"),
+    ({"quant_method": "nonesuch"}, None, "'nonesuch' is not one kvops sizes"),
+    ({"quant_method": "compressed-tensors", "config_groups": []}, None, "config_groups' must be a non-empty"),
+    ({"quant_method": "gptq", "bits": "4"}, None, "quantization_config.bits' must be an integer"),
+    (None, "awq", "only fp8, bitsandbytes, experts_int8 quantize"),
+])
+def test_bad_quantization_is_one_line(qcfg: Any, flag: str | None, message: str) -> None:
+    with pytest.raises(BadInputError, match=message):
+        weight_format(qcfg, flag)
+
+
+LLAMA_8B = Path(__file__).parents[2] / "../shared/fixtures/model-configs/meta-llama--Meta-Llama-3.1-8B.json"
+
+
+def test_plan_quantization_flag_plans_the_logged_runtime_fp8_weights() -> None:
+    """vLLM 0.19 on an H100, Llama-3.1-8B-Instruct with --quantization fp8: 'Model loading took 8.49 GiB'."""
+    out = CliRunner().invoke(app, ["plan", "--config", str(LLAMA_8B), "--gpu", "H100", "--max-model-len", "8192",
+                                   "--quantization", "fp8", "--json"])
+    assert out.exit_code == 0, out.output
+    assert abs(json.loads(out.output)["non_kv"]["weights_gib"] / 8.49 - 1) < 0.01
+
+
+def test_plan_refuses_a_method_that_needs_a_quantized_checkpoint() -> None:
+    out = CliRunner().invoke(app, ["plan", "--config", str(LLAMA_8B), "--gpu", "H100", "--max-model-len", "8192",
+                                   "--quantization", "gptq"])
+    assert out.exit_code == 2
+    assert "--quantization gptq" in out.output
+    assert "Traceback" not in out.output
