@@ -45,6 +45,8 @@ class ActivationShape:
     dtype_bytes: int
     tp: int
     pp: int
+    moe: bool = False
+    multimodal: bool = False
 
     def forward_gib(self, max_num_batched_tokens: int) -> float:
         return max_num_batched_tokens * self.forward_elements_per_token * self.dtype_bytes / GIB
@@ -70,9 +72,11 @@ def activation_shape(raw: Mapping[str, Any], dtype: str, tp: int, pp: int) -> Ac
     dense = _int(cfg, "intermediate_size") // tp + int(RESIDUAL_HIDDEN_WIDTHS * hidden)
     layers = _int(cfg, "num_hidden_layers")
     widest = dense
-    if any(is_moe_layer(cfg, i) for i in range(layers)):
+    moe = any(is_moe_layer(cfg, i) for i in range(layers))
+    if moe:
         width = (_int(cfg, "moe_intermediate_size") or _int(cfg, "intermediate_size")) // tp
         top_k = _int(cfg, "num_experts_per_tok") or _int(cfg, "experts_per_token") or 1
         widest = max(widest, top_k * (3 * width + hidden))
     vocab = -(-_int(cfg, "vocab_size") // VOCAB_PADDING) * VOCAB_PADDING
-    return ActivationShape(widest, vocab, int(MODEL_DTYPE_BYTES[dtype]), tp, pp)
+    return ActivationShape(widest, vocab, int(MODEL_DTYPE_BYTES[dtype]), tp, pp, moe=moe,
+                           multimodal=isinstance(raw.get("vision_config"), dict))

@@ -221,6 +221,29 @@ def default_activation(inp: PlanInputs, max_num_seqs: int, mnbt: int) -> tuple[f
                                f"last pipeline stage); coefficients from {FIT_RUNS}")
 
 
+def terms_notes(inp: PlanInputs, sources: NonKvSources) -> list[str]:
+    """Which non-KV terms were measured and which defaulted (from which vLLM), and how to make them exact."""
+    terms = sources.model_dump()
+    measured = [k[:-4] for k, why in terms.items() if why.startswith(("calibration", "--", "inside", "safetensors"))]
+    estimated = [k[:-4] for k, why in terms.items() if why.startswith("estimate")]
+    defaulted = [k[:-4] for k in terms if k[:-4] not in (*measured, *estimated)
+                 and not terms[k].startswith("no CUDA graphs")]
+    if not defaulted and not estimated:
+        return [f"non-KV terms all measured or given ({', '.join(measured)})"]
+    notes = [f"non-KV terms: measured or given: {', '.join(measured) or 'none'}; estimated from config.json: "
+             f"{', '.join(estimated) or 'none'}; defaulted: {', '.join(defaulted) or 'none'} "
+             f"(the planner models vLLM {VLLM_VERSION}; activation and non-torch defaults come from vLLM 0.19 H100 "
+             "logs). Make them exact for this model and device: `kvops verify --url http://SERVER:8000 "
+             "--calibration-out cal.json` against a server of this model, then `kvops plan ... --calibration cal.json`"]
+    shape = inp.activation
+    if "activation" in defaulted and shape is not None and (shape.moe or shape.multimodal):
+        kind = "MoE" if shape.moe else "multimodal"
+        notes.append(f"the default activation was read off dense text models; on held-out {kind} logs it left up "
+                     "to 3.5% more KV than the server had (kvops bench planner, gpu_logs): calibrate before "
+                     "counting on the last few percent")
+    return notes
+
+
 def default_non_torch(inp: PlanInputs) -> tuple[float, str]:
     if inp.activation is not None:
         return inp.activation.non_torch_gib(), (f"default for TP{inp.tp}/PP{inp.pp} (CUDA context, NCCL, "

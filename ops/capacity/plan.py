@@ -42,6 +42,7 @@ from kvops.ops.capacity.memory import (
     device_total_gib,
     non_kv_terms,
     safetensors_bytes,
+    terms_notes,
 )
 from kvops.ops.capacity.model import ModelKV, load_config, model_dtype, read_model, text_config
 from kvops.ops.capacity.offload import OffloadInputs, recommend_offload
@@ -316,7 +317,7 @@ def make_plan(model: ModelKV, inp: PlanInputs, work: Workload, fp8_model: ModelK
                             "raise --tensor-parallel-size or use a larger GPU")
     cap = kv_capacity(model, available, flags)
     seqs, why = derive_max_num_seqs(cap, flags, work, inp.risk_quantile, mnbt, default_seqs, inp.headroom_fraction)
-    notes += [*cap.notes, *_input_notes(inp, sources.weights_gib)]
+    notes += [*cap.notes, *_input_notes(inp, sources.weights_gib), *terms_notes(inp, sources)]
     capacity = cap.summary()
     sizing = PlanSizing(
         device=inp.device, gpu_total_gib=inp.gpu_total_gib, tensor_parallel_size=inp.tp,
