@@ -7,6 +7,7 @@ cheap (no vLLM, no torch) so that ``kvops --help`` is instant.
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import signal
 import sys
@@ -90,8 +91,13 @@ def _end_on_broken_pipe() -> NoReturn:
     raise SystemExit(EXIT_BROKEN_PIPE)
 
 
-def _file_identity(fd: int) -> tuple[int, int]:
-    st = os.fstat(fd)
+def _stdout_identity() -> tuple[int, int] | None:
+    """The file behind stdout; None when stdout is no file (main() called in-process with a
+    captured stream, as the hostile-input tests and embedders do)."""
+    try:
+        st = os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return None
     return (st.st_dev, st.st_ino)
 
 
@@ -177,14 +183,14 @@ def main() -> None:
     """Console-script entry: usage errors become one line too, exit code 2; SIGTERM stops what
     the command started (``Terminated``), exit code 143."""
     signal.signal(signal.SIGTERM, _on_sigterm)
-    stdout_before = _file_identity(sys.stdout.fileno())
+    stdout_before = _stdout_identity()
     try:
         code = app(standalone_mode=False)
     except SystemExit as exc:
         # rich, which writes typer's help, meets a gone reader by pointing stdout at /dev/null
         # and exiting 1 (rich/console.py on_broken_pipe): the same end as ours, with our code
-        if exc.code == 1 and _file_identity(sys.stdout.fileno()) != stdout_before \
-                and _file_identity(sys.stdout.fileno()) == _file_identity_of(os.devnull):
+        now = _stdout_identity()
+        if exc.code == 1 and now is not None and now != stdout_before and now == _file_identity_of(os.devnull):
             sys.exit(EXIT_BROKEN_PIPE)
         raise
     except typer.Abort:
