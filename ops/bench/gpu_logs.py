@@ -29,6 +29,8 @@ from kvops.ops.capacity.weights import stage_weights
 
 _REPO = Path(__file__).resolve().parents[2]
 LOGS = _REPO.parent / "shared" / "fixtures" / "gpu-logs" / "llm-d-planner-pr205-vllm-0.19-h100.jsonl"
+# More public start-up logs (other GPUs and vLLM versions), sources in the README beside it.
+PUBLIC_LOGS = _REPO / "tests" / "fixtures" / "gpu-logs" / "public-vllm-logs.jsonl"
 CONFIG_DIRS = (_REPO.parent / "shared" / "fixtures" / "model-configs", _REPO / "tests" / "fixtures" / "model-configs")
 # A logged model whose config is published here only under its base (or instruct) twin, with the
 # same sizes and no quantization of its own.
@@ -37,13 +39,24 @@ SAME_SIZES = {
     "mistralai/Mixtral-8x7B-Instruct-v0.1": "mistralai/Mixtral-8x7B-v0.1",
     "deepseek-ai/DeepSeek-V2-Lite-Chat": "deepseek-ai/DeepSeek-V2-Lite",
 }
-# How a logging vLLM version sized KV where it differs from 0.32 (research/planner.md §1.2, §1.7).
-ACCOUNTING: dict[str, dict[str, Any]] = {
-    "0.19.0": {"cudagraph_gib": 0.0, "default_utilization": 0.9, "legacy_tokens": True,
-               "text": "vLLM 0.19: no CUDA-graph estimate deducted from KV (0.21+ deducts it); default "
-                       "gpu_memory_utilization 0.9 (0.32: 0.92); 'GPU KV cache size' = num_blocks // groups × "
-                       "block_size (0.32: max_concurrency × max_model_len)"},
-}
+_OLD_ACCOUNTING = {"cudagraph_gib": 0.0, "default_utilization": 0.9, "legacy_tokens": True,
+                   "text": "vLLM {v}: no CUDA-graph estimate deducted from KV (0.21+ deducts it); default "
+                           "gpu_memory_utilization 0.9 (0.32: 0.92); 'GPU KV cache size' = num_blocks // groups × "
+                           "block_size (0.32: max_concurrency × max_model_len)"}
+_NEW_ACCOUNTING = {"text": "vLLM {v}: accounted as 0.32 (CUDA-graph estimate deducted, the default since 0.21, at "
+                           "the planner's default size: the log does not print it; default utilization 0.92)"}
+
+
+def accounting(version: str) -> dict[str, Any]:
+    """How a logging vLLM version sized KV where it differs from 0.32 (research/planner.md §1.2, §1.7)."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    chosen = _OLD_ACCOUNTING if (major, minor) < (0, 21) else _NEW_ACCOUNTING
+    return {**chosen, "text": str(chosen["text"]).format(v=version)}
+
+
+# GPU names in the logs -> the planner's catalog (its totals as CUDA reports them)
+_GPU_NAMES = (("A100", "40GB", "A100-40GB"), ("A100", "80GB", "A100-80GB"), ("H100", "", "H100"),
+              ("H200", "", "H200"), ("4090", "", "RTX4090"), ("3090", "", "RTX3090"), ("L40S", "", "L40S"))
 # The runs whose non-KV figures set the activation and non-torch defaults (capacity/activation.py);
 # every other run is held out.
 FIT_MODELS = ("meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-7B-Instruct")
@@ -67,6 +80,15 @@ class LoggedRun:
     available_kv_gib: float
     kv_cache_tokens: int
     args: dict[str, Any]
+    gpu: str = "NVIDIA H100 80GB"
+    gpu_total_gib: float | None = None  # as the log printed it, where it did
+    source: str = LOGS.name
+
+    def catalog_gpu(self) -> str | None:
+        for part, size, name in _GPU_NAMES:
+            if part in self.gpu and size.replace("GB", "") in self.gpu:
+                return name
+        return None
 
 
 def _args(notes: str) -> dict[str, Any]:
@@ -83,7 +105,8 @@ def read_runs(path: Path = LOGS) -> list[LoggedRun]:
             gpu_memory_utilization=row["gpu_memory_utilization"], max_model_len=row["max_model_len"],
             kv_cache_dtype=row["kv_cache_dtype"] or "auto", block_size=row["block_size"],
             vllm_version=row["vllm_version"], weights_gib=row["model_loading_gib"],
-            available_kv_gib=row["available_kv_gib"], kv_cache_tokens=row["kv_cache_tokens"], args=_args(row["notes"])))
+            available_kv_gib=row["available_kv_gib"], kv_cache_tokens=row["kv_cache_tokens"], args=_args(row["notes"]),
+            gpu=row["gpu"], gpu_total_gib=row.get("gpu_total_gib"), source=path.name))
     return runs
 
 
@@ -99,12 +122,17 @@ def find_config(model: str, dirs: tuple[Path, ...] = CONFIG_DIRS) -> Path | None
 
 
 def _request(run: LoggedRun, config: Path) -> PlanRequest:
-    acct = ACCOUNTING.get(run.vllm_version, {})
+    acct = accounting(run.vllm_version)
+    gpu = run.catalog_gpu()
+    if gpu is None and run.gpu_total_gib is None:
+        raise BadInputError(f"GPU {run.gpu!r}: not in the planner's catalog and the log prints no total")
+    eager = run.args.get("enforce_eager") is True
     return PlanRequest(
-        config=config, max_model_len=run.max_model_len, kv_cache_dtype=run.kv_cache_dtype, gpu="H100",
+        config=config, max_model_len=run.max_model_len, kv_cache_dtype=run.kv_cache_dtype, gpu=gpu,
+        gpu_memory_gib=run.gpu_total_gib,
         tensor_parallel_size=run.tp, pipeline_parallel_size=run.pp,
         gpu_memory_utilization=run.gpu_memory_utilization or acct.get("default_utilization"),
-        cudagraph_gib=acct.get("cudagraph_gib"), quantization=run.args.get("quantization"),
+        cudagraph_gib=0.0 if eager else acct.get("cudagraph_gib"), quantization=run.args.get("quantization"),
         dtype=run.args.get("dtype"))
 
 
@@ -114,7 +142,7 @@ def _tokens(run: LoggedRun, req: PlanRequest, available_bytes: int) -> int:
     flags = SizingFlags(max_model_len=run.max_model_len, block_size=run.block_size, max_num_batched_tokens=8192,
                         pipeline_parallel_size=run.pp)
     cap = kv_capacity(model, available_bytes, flags)
-    if ACCOUNTING.get(run.vllm_version, {}).get("legacy_tokens"):
+    if accounting(run.vllm_version).get("legacy_tokens"):
         return cap.num_blocks // len(cap.groups) * cap.block_size
     return cap.kv_cache_size_tokens
 
@@ -132,7 +160,8 @@ def compare(run: LoggedRun, config: Path) -> dict[str, Any]:
     tokens_lo, tokens_hi = _tokens(run, req, lo), _tokens(run, req, hi)
     return {
         "model": run.model, "config": config.name, "url": run.url, "tp": run.tp, "pp": run.pp,
-        "fit": run.model in FIT_MODELS,
+        "fit": run.model in FIT_MODELS and run.source == LOGS.name, "source": run.source, "gpu": run.gpu,
+        "vllm_version": run.vllm_version,
         "max_model_len": run.max_model_len, "kv_cache_dtype": run.kv_cache_dtype,
         "args": {k: v for k, v in run.args.items() if k in ("dtype", "quantization", "kv_cache_dtype")},
         "logged": {"weights_gib": run.weights_gib, "available_kv_gib": run.available_kv_gib,
@@ -145,7 +174,7 @@ def compare(run: LoggedRun, config: Path) -> dict[str, Any]:
         "kv_tokens_from_logged_available": [tokens_lo, tokens_hi],
         # with pipeline stages the log's available KV is stage 0's and its tokens the smallest stage's
         "kv_tokens_exact": tokens_lo <= run.kv_cache_tokens <= tokens_hi if run.pp == 1 else None,
-        "accounting": ACCOUNTING.get(run.vllm_version, {}).get("text", f"vLLM {run.vllm_version}")
+        "accounting": accounting(run.vllm_version)["text"]
         + ("; the log's figures are pipeline stage 0's, which holds the embedding and runs no sampler: the plan "
            "sizes the last stage, so stage 0 is predicted from the same terms" if run.pp > 1 else ""),
     }
@@ -165,27 +194,36 @@ def _first_stage(run: LoggedRun, req: PlanRequest, plan: Plan) -> tuple[float, f
     return first, plan.available_kv_gib + (weights - first) + sampler
 
 
-def run(path: Path = LOGS) -> dict[str, Any]:
+def run(paths: tuple[Path, ...] = (LOGS, PUBLIC_LOGS)) -> dict[str, Any]:
     """Every logged run whose config is here, the summary keys, and the runs left out and why."""
     cases, skipped = [], []
-    for logged in read_runs(path):
+    for logged in (r for path in paths for r in read_runs(path)):
         config = find_config(logged.model)
         if config is None:
-            skipped.append({"model": logged.model, "tp": logged.tp, "pp": logged.pp, "why": "no config.json here"})
+            skipped.append({"model": logged.model, "tp": logged.tp, "pp": logged.pp, "why": "no config.json here",
+                            "source": logged.source})
             continue
         try:
             cases.append(compare(logged, config))
         except BadInputError as exc:
-            skipped.append({"model": logged.model, "tp": logged.tp, "pp": logged.pp, "why": str(exc)})
-    return summarize(cases, skipped, path)
+            skipped.append({"model": logged.model, "tp": logged.tp, "pp": logged.pp, "why": str(exc),
+                            "source": logged.source})
+    main = [c for c in cases if c["source"] == paths[0].name]
+    others = [c for c in cases if c["source"] != paths[0].name]
+    summary = summarize(main, [s for s in skipped if s["source"] == paths[0].name], paths[:1])
+    # Other GPUs and vLLM versions, whose logs do not show every term 0.32 deducts (CUDA graphs):
+    # reported beside the goal's figures, not in them.
+    other = summarize(others, [s for s in skipped if s["source"] != paths[0].name], paths[1:])
+    return {**summary, "other_logs": other}
 
 
-def summarize(cases: list[dict[str, Any]], skipped: list[dict[str, Any]], path: Path) -> dict[str, Any]:
+def summarize(cases: list[dict[str, Any]], skipped: list[dict[str, Any]], paths: tuple[Path, ...]) -> dict[str, Any]:
     weights = [abs(c["weights_error_pct"]) for c in cases]
     kv = [c["available_kv_error_pct"] for c in cases]
     held_out = [c["available_kv_error_pct"] for c in cases if not c["fit"]]
     return {
-        "gpu_logs_source": str(path.name), "gpu_logs_cases": len(cases),
+        "gpu_logs_source": [p.name for p in paths], "gpu_logs_cases": len(cases),
+        "gpu_logs_cases_by_source": {p.name: sum(c["source"] == p.name for c in cases) for p in paths},
         "weights_error_pct_max": max(weights, default=None),
         "weights_error_pct_mean": round(statistics.fmean(weights), 3) if weights else None,
         "available_kv_error_pct_mean": round(statistics.fmean(abs(x) for x in kv), 3) if kv else None,

@@ -184,7 +184,8 @@ def _rotary_cache(cfg: Mapping[str, Any]) -> int:
         dim = _get(cfg, "qk_rope_head_dim")
     else:
         dim = int(head_size(cfg, use_mla=False) * float(cfg.get("partial_rotary_factor") or 1.0))
-    rope = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else {}
+    scaling = cfg.get("rope_scaling")
+    rope: dict[str, Any] = scaling if isinstance(scaling, dict) else {}
     positions = unscaled = _get(cfg, "max_position_embeddings")
     kind, factor = str(rope.get("rope_type", rope.get("type", ""))), rope.get("factor")
     original = rope.get("original_max_position_embeddings")

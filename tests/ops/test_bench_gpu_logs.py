@@ -17,6 +17,10 @@ def test_every_logged_run_is_planned_or_named() -> None:
     runs = gpu_logs.LOGS.read_text().splitlines()
     assert out["gpu_logs_cases"] + len(out["gpu_logs_skipped"]) == len(runs)
     assert {s["why"] for s in out["gpu_logs_skipped"]} == {"no config.json here"}
+    other = out["other_logs"]
+    public = gpu_logs.PUBLIC_LOGS.read_text().splitlines()
+    assert other["gpu_logs_cases"] + len(other["gpu_logs_skipped"]) == len(public)
+    assert not any(c["fit"] for c in other["gpu_logs"])  # no constant was read off these
     json.dumps(out)  # the bench prints it
 
 

@@ -1,7 +1,8 @@
 """The weights estimate against two oracles outside kvops: transformers' own modules (parameter
 counts of each architecture family, built on the meta device from the same config.json), and
-the "Model loading took X GiB" lines of published vLLM 0.19 start-up logs on H100s (per rank,
-with tensor and pipeline parallelism, dtypes and a runtime fp8 quantization)."""
+the "Model loading took X GiB" lines of published vLLM start-up logs (0.19 on H100s, and
+0.15-0.31 on A100s, RTX 4090s and RTX PRO 6000s: per rank, with tensor and pipeline
+parallelism, dtypes and a runtime fp8 quantization)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvops.core.errors import BadInputError
-from kvops.ops.bench.gpu_logs import LOGS, find_config, read_runs
+from kvops.ops.bench.gpu_logs import LOGS, PUBLIC_LOGS, find_config, read_runs
 from kvops.ops.capacity.model import model_dtype, text_config
 from kvops.ops.capacity.quantization import weight_format
 from kvops.ops.capacity.weights import rank_params, stage_weights
@@ -66,11 +67,11 @@ def test_parameters_counted_as_transformers_builds_the_model(family: str) -> Non
 
 def _logged_cases() -> list[Any]:
     cases = []
-    for run in read_runs(LOGS):
+    for run in [*read_runs(LOGS), *read_runs(PUBLIC_LOGS)]:
         config = find_config(run.model)
         if config is not None:
-            cases.append(pytest.param(run, config, id=f"{run.model}-tp{run.tp}pp{run.pp}-{run.args.get('dtype')}"
-                                                      f"-{run.args.get('quantization')}"))
+            cases.append(pytest.param(run, config, id=f"{run.model}-{run.vllm_version}-tp{run.tp}pp{run.pp}"
+                                                      f"-{run.args.get('dtype')}-{run.args.get('quantization')}"))
     return cases
 
 
