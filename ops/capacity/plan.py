@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvops.core.errors import BadInputError
+from kvops.core.kv_dtypes import kv_dtype, parse_skip_layers
 from kvops.core.offload.costs import OffloadCosts
 from kvops.core.plan import Fp8Alternative, MaxNumSeqsWhy, Plan, PlanSizing, WorkloadSummary
 from kvops.core.trace.read import Trace, read_trace
@@ -71,6 +72,7 @@ class PlanRequest:
     max_model_len: int
     # model
     kv_cache_dtype: str = "auto"
+    kv_cache_dtype_skip_layers: str | None = None  # layer indices / sliding_window kept at the model dtype
     draft_layers: int = 0
     num_speculative_tokens: int = 0
     speculative_method: str | None = None
@@ -129,7 +131,7 @@ def run_plan(req: PlanRequest) -> Plan:
     model = _read_model(raw, req, req.kv_cache_dtype)
     check_context(model, req.max_model_len)
     fp8 = None
-    if req.kv_cache_dtype in ("auto", "bfloat16", "float16") and not model.use_mla:
+    if not kv_dtype(req.kv_cache_dtype).quantized and not model.use_mla and kv_dtype("fp8").runs_on(req.device):
         fp8 = _read_model(raw, req, "fp8")
     trace = read_trace(req.trace) if req.trace is not None else None
     over = 0
@@ -227,7 +229,8 @@ def _weights(req: PlanRequest, raw: dict[str, Any]) -> tuple[int, str]:
 def _read_model(raw: dict[str, Any], req: PlanRequest, kv_cache_dtype: str) -> ModelKV:
     return read_model(raw, tp=req.tensor_parallel_size, kv_cache_dtype=kv_cache_dtype, dtype=req.dtype,
                       draft_layers=req.draft_layers, num_speculative_tokens=req.num_speculative_tokens,
-                      speculative_method=req.speculative_method)
+                      speculative_method=req.speculative_method,
+                      skip_layers=parse_skip_layers(req.kv_cache_dtype_skip_layers), device=req.device)
 
 
 def _model_ref(config: Path, model_dir: Path | None) -> str:
@@ -323,7 +326,8 @@ def make_plan(model: ModelKV, inp: PlanInputs, work: Workload, fp8_model: ModelK
         device=inp.device, gpu_total_gib=inp.gpu_total_gib, tensor_parallel_size=inp.tp,
         pipeline_parallel_size=inp.pp, pp_layer_partition=inp.pp_layer_partition or None,
         gpu_memory_utilization=util, max_num_seqs=seqs, max_num_seqs_why=why, max_model_len=work.max_model_len,
-        max_num_batched_tokens=mnbt, kv_cache_dtype=model.kv_dtype, non_kv=nonkv, non_kv_sources=sources,
+        max_num_batched_tokens=mnbt, kv_cache_dtype=model.kv_dtype, kv_cache_dtype_skip_layers=model.skip_layers,
+        non_kv=nonkv, non_kv_sources=sources,
         available_kv_gib=available / GIB, capacity=capacity,
         workload=WorkloadSummary(source=work.source, p50=work.p50, p95=work.p95, p99=work.p99, mean=work.mean(),
                                  risk_quantile=inp.risk_quantile,

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from kvops.core.errors import BadInputError, CheckFailedError
-from kvops.ops.capacity.constants import KV_CACHE_DTYPES
+from kvops.core.kv_dtypes import KV_DTYPE_NAMES
 from kvops.ops.cli.options import (
     DEVICE_PANEL,
     MEMORY_PANEL,
@@ -33,11 +33,15 @@ MaxLen = Annotated[int, typer.Option(
     "--max-model-len", parser=tokens_option, metavar="TOKENS",
     help="Tokens per request (prompt + output): 32768, 32k (32,000) or 32K (32,768) as vllm serve reads them.",
     rich_help_panel=MODEL_PANEL)]
-# the KV dtypes the planner sizes (a subset of vLLM's CacheDType, vllm/config/cache.py)
-KvCacheDtype = StrEnum("KvCacheDtype", {v: v for v in KV_CACHE_DTYPES})  # type: ignore[misc]
+# every KV dtype vLLM 0.32 accepts (kvops.core.kv_dtypes, one row per vLLM CacheDType)
+KvCacheDtype = StrEnum("KvCacheDtype", {v: v for v in KV_DTYPE_NAMES})  # type: ignore[misc]
 KV_AUTO = KvCacheDtype("auto")
 KvDtype = Annotated[KvCacheDtype, typer.Option(
-    "--kv-cache-dtype", help="KV cache dtype as vllm serve takes it (auto: the model's).", rich_help_panel=MODEL_PANEL)]
+    "--kv-cache-dtype", help="KV cache dtype as vllm serve takes it (auto: the model's); one the device cannot "
+    "run is refused.", rich_help_panel=MODEL_PANEL)]
+SkipLayers = Annotated[str | None, typer.Option(
+    "--kv-cache-dtype-skip-layers", help="Layers vLLM keeps at the model dtype: indices and/or sliding_window, "
+    "e.g. 0,1,sliding_window.", rich_help_panel=MODEL_PANEL)]
 Draft = Annotated[int, typer.Option(
     "--draft-layers", help="Drafter KV layers (MTP: num_nextn_predict_layers; EAGLE: 1), target's attention spec.",
     rich_help_panel=MODEL_PANEL)]
@@ -89,11 +93,13 @@ def _flags(max_model_len: int, device: str, block_size: int | None, mnbt: int | 
 
 
 def _model(config: str | None, alias: str | None, tp: int, kv_dtype: str, draft_layers: int = 0, spec_tokens: int = 0,
-           spec_method: str | None = None) -> Any:
+           spec_method: str | None = None, skip_layers: str | None = None, device: str | None = None) -> Any:
+    from kvops.core.kv_dtypes import parse_skip_layers
     from kvops.ops.capacity.model import load_config, read_model
 
     return read_model(load_config(model_path(config, alias)), tp=tp, kv_cache_dtype=kv_dtype, draft_layers=draft_layers,
-                      num_speculative_tokens=spec_tokens, speculative_method=spec_method)
+                      num_speculative_tokens=spec_tokens, speculative_method=spec_method,
+                      skip_layers=parse_skip_layers(skip_layers), device=device)
 
 
 def kv_capacity_cmd(
@@ -102,7 +108,8 @@ def kv_capacity_cmd(
         "--kv-cache-memory-bytes", parser=bytes_option, metavar="BYTES",
         help="KV bytes on one rank: 8589934592, 8G or 8GiB (2**30 each), 8g (10**9), or '3.52 GiB' as "
         "vLLM's log prints it.", rich_help_panel=DEVICE_PANEL)],
-    kv_cache_dtype: KvDtype = KV_AUTO, tensor_parallel_size: Tp = 1, pipeline_parallel_size: Pp = 1,
+    kv_cache_dtype: KvDtype = KV_AUTO, kv_cache_dtype_skip_layers: SkipLayers = None,
+    tensor_parallel_size: Tp = 1, pipeline_parallel_size: Pp = 1,
     device: Device = DeviceKind.cuda, block_size: BlockSize = None, max_num_batched_tokens: Mnbt = None,
     async_scheduling: Async = None, draft_layers: Draft = 0, num_speculative_tokens: SpecTokens = 0,
     speculative_method: SpecMethod = None, pp_layer_partition: PpPartition = None, json_out: JsonOut = False,
@@ -114,7 +121,7 @@ def kv_capacity_cmd(
     flags = _flags(max_model_len, device.value, block_size, max_num_batched_tokens, async_scheduling,
                    pipeline_parallel_size, pp_layer_partition)
     model = _model(config, config_alias, tensor_parallel_size, kv_cache_dtype.value, draft_layers, num_speculative_tokens,
-                   speculative_method)
+                   speculative_method, kv_cache_dtype_skip_layers, device.value)
     check_context(model, max_model_len)
     result = kv_capacity(model, kv_cache_memory_bytes, flags).summary()
     typer.echo(result.to_json() if json_out else result.log_line)
@@ -227,7 +234,7 @@ _OUTPUT_FLAGS = ("json_out", "yaml_out", "out_dir", "config_alias")
 def plan_cmd(
     ctx: typer.Context,
     max_model_len: MaxLen, config: ModelConfig = None, config_alias: ConfigAlias = None,
-    kv_cache_dtype: KvDtype = KV_AUTO, draft_layers: Draft = 0,
+    kv_cache_dtype: KvDtype = KV_AUTO, kv_cache_dtype_skip_layers: SkipLayers = None, draft_layers: Draft = 0,
     num_speculative_tokens: SpecTokens = 0, speculative_method: SpecMethod = None, model_dir: ModelDir = None,
     quantization: Quantization = None, dtype: ModelDtype = None, gpu: Gpu = None, gpu_memory_gib: GpuGib = None, tensor_parallel_size: Tp = 1, pipeline_parallel_size: Pp = 1,
     pp_layer_partition: PpPartition = None, device: Device = DeviceKind.cuda, memory_gib: MemoryGib = None,
