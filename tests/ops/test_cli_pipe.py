@@ -22,6 +22,8 @@ LONG_OUTPUTS = {
     "plan": ["plan", "--config", str(LLAMA_8B), "--gpu", "H100", "--max-model-len", "8192"],
     "help": ["--help"],
     "subcommand-help": ["plan", "--help"],
+    "runbook-page": ["runbook", "kv-exhaustion"],
+    "alert-rules": ["alerts", "rules"],
 }
 QUIET = (0, 141)
 
