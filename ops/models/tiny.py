@@ -119,7 +119,7 @@ def build_tiny_model(out_dir: Path, spec: TinyModelSpec) -> Path:
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise KvopsError(
             f"building a model needs torch and safetensors ({exc.name} is missing): "
-            "install the [cpu] extra (make setup)"
+            "pip install torch safetensors, or the [gpu] or [cpu] extra (in a kvops checkout: make setup)"
         ) from exc
     if out_dir.exists() and not out_dir.is_dir():
         raise BadInputError(f"{out_dir} exists and is not a directory: choose another OUT_DIR")

@@ -90,7 +90,8 @@ def lmcache_executable() -> str:
         return str(local)
     found = shutil.which("lmcache")
     if not found:
-        raise KvopsError("the `lmcache` command is not installed: run `make setup` (lmcache 0.5.6)")
+        raise KvopsError("the `lmcache` command is not installed: pip install lmcache==0.5.6 (the [gpu] "
+                         "and [cpu] extras bring it; in a kvops checkout: `make setup`)")
     return found
 
 
