@@ -137,6 +137,10 @@ def _absent(value: object) -> bool:
     return value is None
 
 
+def _empty(value: object) -> bool:
+    return not value
+
+
 class OffloadAdvice(_Frozen):
     """LMCache L1 (CPU DRAM) and disk sizes; both None when offload cannot help.
 
@@ -168,6 +172,7 @@ class PlanSizing(_Frozen):
     max_model_len: int
     max_num_batched_tokens: int
     kv_cache_dtype: str
+    kv_cache_dtype_skip_layers: tuple[str, ...] = Field(default=(), exclude_if=_empty)  # kept at the model dtype
     non_kv: NonKvTerms
     non_kv_sources: NonKvSources
     available_kv_gib: float

@@ -22,8 +22,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from kvops.core.errors import BadInputError
 from kvops.core.files import read_mapping
-
-Fp8Format = Literal["fp8_e4m3", "fp8_e5m2"]
+from kvops.core.kv_dtypes import (
+    Fp8Format as Fp8Format,  # re-exported: the scales file names its format
+)
+from kvops.core.kv_dtypes import fp8_format
 
 FORMAT_MAX: dict[str, float] = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 """Largest finite value of each fp8 format (OCP e4m3fn / e5m2)."""
@@ -41,15 +43,9 @@ _VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "tor
 
 
 def normalize_fp8_dtype(kv_cache_dtype: str) -> Fp8Format | None:
-    """The fp8 format a --kv-cache-dtype stores, or None when it is not plain fp8.
-
-    vLLM's ``fp8`` means e4m3 (vllm/config/cache.py CacheDType).
-    """
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        return "fp8_e4m3"
-    if kv_cache_dtype == "fp8_e5m2":
-        return "fp8_e5m2"
-    return None
+    """The fp8 format a --kv-cache-dtype stores with per-tensor scales, or None for any other
+    dtype (kvops.core.kv_dtypes: vLLM's ``fp8`` means e4m3; per-token-head fp8 has its own scales)."""
+    return fp8_format(kv_cache_dtype)
 
 
 def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:

@@ -67,6 +67,8 @@ class Spec:
     checkpoint_blocks: int = 0
     speculative_blocks: int = 0
     extra_retained_tokens: int = 0
+    dtype: str = ""  # vLLM's specs differ by dtype: a skip layer never shares a quantized layer's spec
+    padded: bool = False  # a sliding page padded to skip_page_size_padded
 
     def blocks_per_request(self, flags: SizingFlags) -> int:
         """cdiv(max_memory_usage_bytes, page_size_bytes) for this spec (kv_cache_interface.py)."""
@@ -137,8 +139,24 @@ class KVCapacity:
         return self.summary().model_dump(mode="json")
 
 
+@dataclass(frozen=True)
+class BlockLayout:
+    """Block size and the page paddings the platform sets before the specs are built."""
+
+    block_size: int
+    mamba_page_padded: int | None = None
+    skip_page_padded: int | None = None  # cache_config.skip_page_size_padded: sliding layers pad to it
+
+
 def resolve_block_size(model: ModelKV, flags: SizingFlags) -> tuple[int, int | None]:
     """(attention block size, padded mamba page or None) as the platform resolves them."""
+    layout = resolve_layout(model, flags)
+    return layout.block_size, layout.mamba_page_padded
+
+
+def resolve_layout(model: ModelKV, flags: SizingFlags) -> BlockLayout:
+    """platforms/interface.py update_block_size_for_backend: the platform's block size, then the
+    hybrid (mamba) alignment, then the heterogeneous-dtype alignment of --kv-cache-dtype-skip-layers."""
     if flags.device not in DEFAULT_BLOCK_SIZE:
         raise BadInputError(f"--device {flags.device!r}: use one of {', '.join(DEFAULT_BLOCK_SIZE)}")
     if model.sparse_mla:
@@ -149,6 +167,14 @@ def resolve_block_size(model: ModelKV, flags: SizingFlags) -> tuple[int, int | N
         bs = DEFAULT_BLOCK_SIZE[flags.device] if flags.block_size is None else flags.block_size
     if bs < 1:  # vLLM's CacheConfig: block_size gt=0 (0 used to mean the default here)
         raise BadInputError(f"--block-size must be >= 1, got {bs}")
+    bs, mamba_padded = _align_hybrid(model, flags, bs)
+    if model.skip_pages_1 is None:
+        return BlockLayout(bs, mamba_padded)
+    return _align_skip_layers(model.skip_pages_1, KERNEL_BLOCK_ALIGNMENT[flags.device], bs, mamba_padded)
+
+
+def _align_hybrid(model: ModelKV, flags: SizingFlags, bs: int) -> tuple[int, int | None]:
+    """_align_hybrid_block_size: raise the attention block until its page holds a mamba state."""
     mamba_pages = [layer.state_bytes for layer in model.layers if layer.kind == "mamba"]
     if not mamba_pages or not any(layer.kind != "mamba" for layer in model.layers):
         return bs, None
@@ -163,6 +189,39 @@ def resolve_block_size(model: ModelKV, flags: SizingFlags) -> tuple[int, int | N
     return bs, (attn_page if attn_page != mamba_page else None)
 
 
+def _align_skip_layers(pages_1: tuple[int, int], kernel: int, bs: int, mamba_padded: int | None) -> BlockLayout:
+    """_align_heterogeneous_kv_block_size: the quantized primary's block grows until its page covers a
+    skip layer's page at the smallest kernel block; that shared page is what sliding skip layers (and a
+    padded mamba page) pad to. Equal per-token pages change nothing."""
+    primary, skip = pages_1
+    if skip <= primary:  # vLLM asserts skip >= primary; equal: unify scales blocks by an integer ratio
+        return BlockLayout(bs, mamba_padded)
+    align = max(kernel, bs)
+    required = max(skip * kernel, mamba_padded or 0)
+    bs = max(bs, align * cdiv(required, align * primary))
+    shared = bs * primary
+    return BlockLayout(bs, shared if mamba_padded is not None else None, shared)
+
+
+# Kernel block sizes a sliding layer's backend supports (v1/attention/backends/*.py
+# get_supported_kernel_block_sizes): ("multiple", n) = MultipleOf(n), ("list", …) = those sizes.
+_KERNEL_BLOCKS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "FLASH_ATTN": ("multiple", (16,)), "TRITON_ATTN": ("multiple", (16,)), "CPU_ATTN": ("multiple", (32,)),
+    "FLASHINFER": ("list", (16, 32, 64)), "TURBOQUANT": ("list", (16, 32, 64, 128)),
+}
+
+
+def sliding_block_size(backend: str, per_token: int, budget: int, fallback: int) -> int:
+    """attention.py _largest_kernel_block_within: the largest kernel block whose page fits the budget."""
+    kind, sizes = _KERNEL_BLOCKS.get(backend, ("multiple", (16,)))
+    most = budget // per_token
+    candidates = list(sizes) if kind == "list" else [max(n, most // n * n) for n in sizes]
+    if not candidates:
+        return fallback
+    fitting = [b for b in candidates if b * per_token <= budget]
+    return max(fitting) if fitting else min(candidates)
+
+
 def _sparse_mla_block_size(flags: SizingFlags) -> int:
     """The indexer backend takes 64-token kernel blocks only (indexer.py); CPU has no sparse MLA."""
     if flags.device == "cpu":
@@ -175,12 +234,19 @@ def _sparse_mla_block_size(flags: SizingFlags) -> int:
     return bs
 
 
-def _layer_spec(layer: LayerKV, bs: int, mamba_padded: int | None) -> Spec:
+def _layer_spec(layer: LayerKV, layout: BlockLayout) -> Spec:
+    bs = layout.block_size
     if layer.kind == "mamba":
-        return Spec("mamba", bs, mamba_padded or layer.state_bytes,
+        return Spec("mamba", bs, layout.mamba_page_padded or layer.state_bytes,
                     checkpoint_blocks=layer.checkpoint_blocks, speculative_blocks=layer.speculative_blocks)
+    if layer.kind == "sliding" and layer.backend:  # attention.py get_kv_cache_spec: SW picks its own block
+        budget = layout.skip_page_padded or layer.bytes_per_token * bs
+        sw_bs = sliding_block_size(layer.backend, layer.bytes_per_token, budget, bs)
+        return Spec("sliding", sw_bs, layout.skip_page_padded or sw_bs * layer.bytes_per_token, layer.bytes_per_token,
+                    layer.window, extra_retained_tokens=layer.extra_retained_tokens, dtype=layer.kv_dtype,
+                    padded=layout.skip_page_padded is not None)
     return Spec(layer.kind, bs, bs * layer.bytes_per_token, layer.bytes_per_token, layer.window,
-                extra_retained_tokens=layer.extra_retained_tokens)
+                extra_retained_tokens=layer.extra_retained_tokens, dtype=layer.kv_dtype)
 
 
 def _unify_pages(specs: list[Spec]) -> list[Spec]:
@@ -192,6 +258,14 @@ def _unify_pages(specs: list[Spec]) -> list[Spec]:
             out.append(s)
         elif s.kind == "mamba":
             out.append(replace(s, page_bytes=top))
+        elif top % s.page_bytes == 0 and s.padded:
+            # vLLM grows the block and keeps the padded page: AttentionSpec.page_size_bytes asserts
+            raise BadInputError(
+                "vLLM 0.32 cannot start with these skip layers (--kv-cache-dtype-skip-layers, and TurboQuant's first and "
+                "last 2 layers): the sliding layers' pages are padded "
+                f"to {s.page_bytes:,} B but a full-attention skip layer's page is {top:,} B "
+                "(v1/core/kv_cache_utils.py unify_kv_cache_spec_page_size fails an assertion); skip the sliding "
+                "layers too (sliding_window) or only sliding layers")
         elif top % s.page_bytes == 0:
             ratio = top // s.page_bytes
             out.append(replace(s, block_size=s.block_size * ratio, page_bytes=top))
@@ -250,8 +324,9 @@ def kv_capacity(model: ModelKV, available_bytes: int, flags: SizingFlags) -> KVC
         raise BadInputError(f"--max-model-len must be >= 1, got {flags.max_model_len}")
     if flags.max_num_batched_tokens is not None and flags.max_num_batched_tokens < 1:
         raise BadInputError("--max-num-batched-tokens must be >= 1")
-    bs, mamba_padded = resolve_block_size(model, flags)
-    specs = [_layer_spec(layer, bs, mamba_padded) for layer in model.layers]
+    layout = resolve_layout(model, flags)
+    bs, mamba_padded = layout.block_size, layout.mamba_page_padded
+    specs = [_layer_spec(layer, layout) for layer in model.layers]
     groups = build_groups(model, specs, flags)
     per_request = sum(g.blocks_per_request for g in groups)
     # get_kv_cache_configs (kv_cache_utils.py:2531+): groups come from the whole model, each PP

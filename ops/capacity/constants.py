@@ -13,23 +13,7 @@ from kvops.core.units import GIB as GIB
 VLLM_VERSION: Final = "0.32.0"
 GB: Final = 1_000_000_000
 
-# Bytes per element of the KV dtypes vLLM accepts (config/cache.py CacheDType,
-# utils/torch_utils.py STR_DTYPE_TO_TORCH_DTYPE).
-KV_DTYPE_BYTES: Final[dict[str, int]] = {
-    "bfloat16": 2,
-    "float16": 2,
-    "half": 2,
-    "float": 4,
-    "float32": 4,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-    "fp8_inc": 1,
-}
-KV_CACHE_DTYPES: Final = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
-# fp8_ds_mla stores an opaque 656-byte row per token and layer
-# (model_executor/layers/attention/mla_attention.py).
-FP8_DS_MLA_ROW_BYTES: Final = 656
+# KV cache dtypes: kvops.core.kv_dtypes (one row per vLLM CacheDType).
 MODEL_DTYPE_BYTES: Final[dict[str, int]] = {
     "bfloat16": 2, "float16": 2, "float32": 4, "half": 2, "float": 4,
 }

@@ -26,10 +26,10 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from kvops.core.errors import BadInputError
+from kvops.core.kv_dtypes import KV_DTYPES, kv_dtype
 
 INDEXER_QUANT_BLOCK: Final = 128  # elements per fp32 scale (Indexer.quant_block_size)
 SPARSE_MLA_BLOCK_SIZE: Final = 64  # DeepseekV32IndexerBackend.get_supported_kernel_block_sizes
-SPARSE_MLA_KV_DTYPES: Final = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_ds_mla")
 
 
 def is_sparse_mla(cfg: Mapping[str, Any]) -> bool:
@@ -67,14 +67,12 @@ def has_indexer(cfg: Mapping[str, Any], layer_id: int) -> bool:
 
 
 def sparse_mla_row_bytes(kv_cache_dtype: str, head_size: int, model_dtype_bytes: int) -> int:
-    """Bytes of one token's latent row in a sparse MLA layer (Hopper backend choice)."""
-    from kvops.ops.capacity.constants import FP8_DS_MLA_ROW_BYTES
-
-    if kv_cache_dtype not in SPARSE_MLA_KV_DTYPES:
-        raise BadInputError(f"--kv-cache-dtype {kv_cache_dtype!r}: vLLM's sparse MLA backends (index_topk) "
-                            f"take {', '.join(SPARSE_MLA_KV_DTYPES)}")
-    if kv_cache_dtype in ("fp8", "fp8_ds_mla"):
-        return FP8_DS_MLA_ROW_BYTES
-    if kv_cache_dtype == "fp8_e4m3":
-        return head_size
-    return head_size * (2 if kv_cache_dtype in ("bfloat16", "float16") else model_dtype_bytes)
+    """Bytes of one token's latent row in a sparse MLA layer (Hopper backend choice): FLASHMLA_SPARSE
+    serves ``fp8`` as ``fp8_ds_mla`` (kvops.core.kv_dtypes has each row's bytes)."""
+    row = kv_dtype(kv_cache_dtype)
+    if not row.sparse_mla:
+        names = ", ".join(r.name for r in KV_DTYPES if r.sparse_mla)
+        raise BadInputError(f"--kv-cache-dtype {kv_cache_dtype!r}: vLLM's sparse MLA backends (index_topk) take {names}")
+    if row.name == "fp8":
+        row = kv_dtype("fp8_ds_mla")
+    return row.mla_row_bytes(head_size, model_dtype_bytes)

@@ -8,6 +8,7 @@ a silent guess would print a confident, wrong capacity.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,14 +16,9 @@ from typing import Any, Literal, cast
 
 from kvops.core.errors import BadInputError
 from kvops.core.files import read_mapping
+from kvops.core.kv_dtypes import SKIP_SLIDING_WINDOW, KvDtype, check_runs_on, kv_dtype
 from kvops.ops.capacity import gemma4
-from kvops.ops.capacity.constants import (
-    FP8_DS_MLA_ROW_BYTES,
-    KV_CACHE_DTYPES,
-    KV_DTYPE_BYTES,
-    MAX_LAYERS,
-    MODEL_DTYPE_BYTES,
-)
+from kvops.ops.capacity.constants import MAX_LAYERS, MODEL_DTYPE_BYTES
 from kvops.ops.capacity.gemma4 import is_gemma4
 from kvops.ops.capacity.indexer import (
     has_indexer,
@@ -51,6 +47,8 @@ class LayerKV:
     role: str = "kv"  # "indexer": a sparse-MLA layer's lightning-indexer cache (indexer.py)
     speculative_blocks: int = 0  # mamba: K state blocks per request for K speculative tokens
     extra_retained_tokens: int = 0  # sliding: tokens kept below the window for multi-module MTP
+    kv_dtype: str = ""  # this layer's --kv-cache-dtype ("auto" where --kv-cache-dtype-skip-layers keeps it)
+    backend: str = ""  # the attention backend that serves it (kernel block sizes, packing)
 
 
 @dataclass(frozen=True)
@@ -71,6 +69,8 @@ class ModelKV:
     sparse_mla: bool = False  # DeepSeek-V3.2 index_topk: 64-token blocks, CUDA only (indexer.py)
     num_speculative_tokens: int = 0
     per_layer_head_dims: bool = False  # Gemma-4: its CUDA block size follows the GPU's FlashAttention kernels
+    skip_layers: tuple[str, ...] = ()  # vLLM's kv_cache_dtype_skip_layers: the user's plus TurboQuant's boundary
+    skip_pages_1: tuple[int, int] | None = None  # (primary, skip) per-token pages as the block alignment sees them
 
     @property
     def is_hybrid(self) -> bool:
@@ -128,16 +128,6 @@ def model_dtype(cfg: Mapping[str, Any], override: str | None = None) -> str:
         where = "--dtype" if override not in (None, "auto") else "config field 'torch_dtype'"
         raise BadInputError(f"{where} {name!r} is not one of {sorted(MODEL_DTYPE_BYTES)}")
     return "bfloat16" if name in ("float32", "float") and override in (None, "auto") else name
-
-
-def kv_dtype_bytes(kv_cache_dtype: str, dtype: str) -> int:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise BadInputError(f"--kv-cache-dtype {kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
-    if kv_cache_dtype == "auto":
-        return int(MODEL_DTYPE_BYTES[dtype])
-    if kv_cache_dtype == "fp8_ds_mla":
-        return 1
-    return int(KV_DTYPE_BYTES[kv_cache_dtype])
 
 
 def total_kv_heads(cfg: Mapping[str, Any]) -> int:
@@ -213,6 +203,8 @@ def read_model(
     draft_layers: int = 0,
     num_speculative_tokens: int = 0,
     speculative_method: str | None = None,
+    skip_layers: tuple[str, ...] = (),
+    device: str | None = None,
 ) -> ModelKV:
     """Per-rank layer specs exactly as vLLM 0.32 builds them for this config and these flags.
 
@@ -220,6 +212,9 @@ def read_model(
     EAGLE: usually 1), each with the target's full-attention (or MLA) spec: vLLM registers them
     after the target's layers and groups them with the rest (v1/core/kv_cache_utils.py:2029-2119).
     ``num_speculative_tokens``/``speculative_method`` size mamba and sliding layers (speculative.py).
+    ``skip_layers`` is --kv-cache-dtype-skip-layers (layer indices, ``sliding_window``): those
+    layers keep the model dtype (model_executor/layers/attention/attention.py:299-315). ``device``
+    refuses a dtype that device's backends do not take (kvops.core.kv_dtypes).
     """
     spec = speculation(num_speculative_tokens, speculative_method, draft_layers)
     if tp < 1:
@@ -234,62 +229,143 @@ def read_model(
     mdtype = model_dtype(cfg, dtype)
     use_mla = cfg.get("kv_lora_rank") is not None
     sparse = is_sparse_mla(cfg)
-    if kv_cache_dtype == "fp8_ds_mla" and not use_mla:
-        raise BadInputError("--kv-cache-dtype fp8_ds_mla is only for MLA models (kv_lora_rank)")
+    row = kv_dtype(kv_cache_dtype)
+    if row.mla_only and not use_mla:
+        raise BadInputError(f"--kv-cache-dtype {kv_cache_dtype} is only for MLA models (kv_lora_rank)")
+    if device is not None:
+        check_runs_on(kv_cache_dtype, device, use_mla)
     if sparse and not use_mla:
         raise BadInputError("config field 'index_topk' (sparse MLA indexer) needs an MLA model: "
                             "'kv_lora_rank' is missing")
-    kv_bytes = kv_dtype_bytes(kv_cache_dtype, mdtype)
+    mbytes = int(MODEL_DTYPE_BYTES[mdtype])
     hsize = head_size(cfg, use_mla)
     heads = 1 if use_mla else kv_heads_per_rank(total_kv_heads(cfg), tp)
     if sparse:
-        per_token = sparse_mla_row_bytes(kv_cache_dtype, hsize, int(MODEL_DTYPE_BYTES[mdtype]))
+        per_token = sparse_mla_row_bytes(kv_cache_dtype, hsize, mbytes)
     elif use_mla:
-        per_token = FP8_DS_MLA_ROW_BYTES if kv_cache_dtype == "fp8_ds_mla" else hsize * kv_bytes
+        per_token = row.mla_row_bytes(hsize, mbytes)
     else:
-        per_token = heads * 2 * hsize * kv_bytes
+        per_token = heads * row.head_bytes_per_token(hsize, mbytes)
     index_bytes = indexer_bytes_per_token(cfg) if sparse else 0
-    from kvops.ops.capacity.mamba import mamba_layer_bytes
-
-    layers: list[LayerKV] = []
     kinds = layer_kinds(cfg)
-    per_layer = _gemma4_bytes_per_token(cfg, tp, kv_bytes) if is_gemma4(cfg) else None
-    if per_layer is not None:  # model-level figures: the first layer's (hybrid alignment needs none here)
-        hsize, per_token = gemma4.layer_shapes(cfg)[0][0], per_layer[0]
-        heads = per_token // (2 * hsize * kv_bytes)
-    for index, (kind, window) in enumerate(kinds):
-        if kind is None:
-            continue
-        if kind in ("mamba2", "gdn"):
-            state = mamba_layer_bytes(cfg, kind, tp, mdtype, mamba_ssm_dtype, spec.num_speculative_tokens)
-            layers.append(LayerKV(index, "mamba", state_bytes=state, checkpoint_blocks=1 if kind == "mamba2" else 0,
-                                  speculative_blocks=spec.num_speculative_tokens))
-        elif use_mla:
-            layers.append(LayerKV(index, "mla", bytes_per_token=per_token))
-            if sparse and has_indexer(cfg, index):
-                layers.append(LayerKV(index, "mla", bytes_per_token=index_bytes, role="indexer"))
-        else:
-            own = per_token if per_layer is None else per_layer[index]
-            extra = spec.sliding_extra_retained_tokens if kind == "sliding" else 0
-            layers.append(LayerKV(index, cast(LayerKind, kind), bytes_per_token=own, window=window,
-                                  extra_retained_tokens=extra))
+    skip = _effective_skip_layers(skip_layers, row, kinds)
+    if skip and use_mla:
+        raise BadInputError("--kv-cache-dtype-skip-layers on an MLA model is not planned yet (vLLM sizes MLA "
+                            "skip layers by the MLA backends' kernel blocks); plan it without skip layers")
+    shapes = gemma4.layer_shapes(cfg) if is_gemma4(cfg) else None
+    inputs = _LayerInputs(row, skip, tp, mdtype, mamba_ssm_dtype, spec.num_speculative_tokens,
+                          spec.sliding_extra_retained_tokens, device, hsize, heads, per_token, index_bytes, sparse,
+                          use_mla, shapes)
+    layers = _layers(cfg, kinds, inputs)
     if not layers:
         raise BadInputError(f"{arch}: no layer with a KV cache found; check num_hidden_layers")
+    if shapes is not None:  # model-level figures: the first layer's (hybrid alignment needs none here)
+        hsize, heads = shapes[0][0], kv_heads_per_rank(shapes[0][1], tp)
+        per_token = layers[0].bytes_per_token
     layers += _draft_layers(layers, draft_layers, len(kinds), index_bytes)
+    auto = kv_dtype("auto")
+    first = next((layer for layer in layers if layer.kind != "mamba"), None)
+    first_packs = first is None or first.kv_dtype == _spec_dtype(row, mdtype) or layer_backend(auto, device) == layer_backend(row, device)
+    primary_1 = per_token if use_mla or first_packs else heads * row.unpacked_head_bytes_per_token(hsize, mbytes)
+    skip_1 = heads * auto.unpacked_head_bytes_per_token(hsize, mbytes)
     return ModelKV(
         architecture=arch, model_dtype=mdtype,
         kv_dtype=_kv_dtype_name(kv_cache_dtype, mdtype, sparse),
         layers=tuple(layers), num_kv_heads_per_rank=heads, head_size=hsize, use_mla=use_mla,
-        attn_bytes_per_token_1=per_token,
+        attn_bytes_per_token_1=_hybrid_page_1(row, per_token, primary_1, skip_1 if skip else None),
         max_position_embeddings=context_limit(cfg),
         num_decoder_layers=len(kinds), draft_layers=draft_layers, sparse_mla=sparse,
-        num_speculative_tokens=spec.num_speculative_tokens, per_layer_head_dims=per_layer is not None,
+        num_speculative_tokens=spec.num_speculative_tokens, per_layer_head_dims=shapes is not None,
+        skip_layers=skip, skip_pages_1=(primary_1, skip_1) if skip else None,
     )
 
 
-def _gemma4_bytes_per_token(cfg: Mapping[str, Any], tp: int, kv_bytes: int) -> list[int]:
-    """Each layer's own heads × (K + V) × its head dim (gemma4.py), heads split over TP per layer."""
-    return [kv_heads_per_rank(heads, tp) * 2 * head_dim * kv_bytes for head_dim, heads in gemma4.layer_shapes(cfg)]
+@dataclass(frozen=True)
+class _LayerInputs:
+    """What every layer's spec is built from (read_model's locals, passed as one value)."""
+
+    row: KvDtype
+    skip: tuple[str, ...]
+    tp: int
+    mdtype: str
+    mamba_ssm_dtype: str | None
+    num_speculative_tokens: int
+    sliding_extra: int  # speculative.py: tokens a sliding layer keeps below its window
+    device: str | None
+    hsize: int
+    heads: int
+    per_token: int  # MLA row, or the model-level per-token bytes of a quantized layer
+    index_bytes: int
+    sparse: bool
+    use_mla: bool
+    shapes: list[tuple[int, int]] | None  # Gemma-4: (head_dim, KV heads) per layer
+
+
+def _layers(cfg: Mapping[str, Any], kinds: list[tuple[str | None, int | None]], inp: _LayerInputs) -> list[LayerKV]:
+    from kvops.ops.capacity.mamba import mamba_layer_bytes
+
+    auto, mbytes, k = kv_dtype("auto"), int(MODEL_DTYPE_BYTES[inp.mdtype]), inp.num_speculative_tokens
+    layers: list[LayerKV] = []
+    for index, (kind, window) in enumerate(kinds):
+        if kind is None:
+            continue
+        if kind in ("mamba2", "gdn"):
+            state = mamba_layer_bytes(cfg, kind, inp.tp, inp.mdtype, inp.mamba_ssm_dtype, k)
+            layers.append(LayerKV(index, "mamba", state_bytes=state, checkpoint_blocks=1 if kind == "mamba2" else 0,
+                                  speculative_blocks=k))
+        elif inp.use_mla:
+            layers.append(LayerKV(index, "mla", bytes_per_token=inp.per_token,
+                                  kv_dtype=_spec_dtype(inp.row, inp.mdtype)))
+            if inp.sparse and has_indexer(cfg, index):
+                layers.append(LayerKV(index, "mla", bytes_per_token=inp.index_bytes, role="indexer"))
+        else:
+            row = auto if _skipped(index, kind, inp.skip) else inp.row
+            head_dim, heads = (inp.hsize, inp.heads) if inp.shapes is None else (
+                inp.shapes[index][0], kv_heads_per_rank(inp.shapes[index][1], inp.tp))
+            extra = inp.sliding_extra if kind == "sliding" else 0
+            layers.append(LayerKV(index, cast(LayerKind, kind), bytes_per_token=heads * row.head_bytes_per_token(
+                head_dim, mbytes), window=window, extra_retained_tokens=extra, kv_dtype=_spec_dtype(row, inp.mdtype),
+                backend=layer_backend(row, inp.device)))
+    return layers
+
+
+def _spec_dtype(row: KvDtype, mdtype: str) -> str:
+    """What tells two layers' specs apart in vLLM: the storage, not the spelling (auto = the model
+    dtype, fp8 = fp8_e4m3)."""
+    return mdtype if row.name == "auto" else row.alias_of or row.name
+
+
+def layer_backend(row: KvDtype, device: str | None) -> str:
+    """The attention backend vLLM gives a layer of this dtype (Hopper's order on CUDA)."""
+    return "CPU_ATTN" if device == "cpu" else row.cuda_backend or ""
+
+
+def _skipped(index: int, kind: str, skip: tuple[str, ...]) -> bool:
+    """attention.py:299-315: a listed layer index, or any sliding layer with ``sliding_window``."""
+    return str(index) in skip or (kind == "sliding" and SKIP_SLIDING_WINDOW in skip)
+
+
+def _effective_skip_layers(given: tuple[str, ...], row: KvDtype, kinds: list[tuple[str | None, int | None]]
+                           ) -> tuple[str, ...]:
+    """The user's skip layers plus the boundary layers TurboQuant/UltraQuant keep at the model dtype on a
+    dense model (engine/arg_utils.py, turboquant/config.py get_boundary_skip_layers), sorted as vLLM does."""
+    hybrid = any(kind in ("mamba2", "gdn") for kind, _ in kinds)
+    boundary: list[str] = []
+    if row.boundary_skip_layers and not hybrid:
+        n = min(row.boundary_skip_layers, len(kinds) // 2)
+        boundary = [str(i) for i in sorted(set(range(n)) | set(range(len(kinds) - n, len(kinds))))]
+    if not boundary:
+        return tuple(given)
+    return tuple(sorted(set(given) | set(boundary)))
+
+
+def _hybrid_page_1(row: KvDtype, per_token: int, primary_1: int, skip_1: int | None) -> int:
+    """One token's attention page as platforms/interface.py ``_align_hybrid_block_size`` sees it: the
+    packed TurboQuant/UltraQuant page (lcm with the skip layers' page when there are any), else what
+    the first attention layer's backend makes of the dtype."""
+    if row.boundary_skip_layers:
+        return math.lcm(per_token, skip_1) if skip_1 is not None else per_token
+    return primary_1
 
 
 def _kv_dtype_name(kv_cache_dtype: str, mdtype: str, sparse: bool) -> str:
@@ -316,7 +392,8 @@ def _draft_layers(layers: list[LayerKV], count: int, first_index: int, index_byt
         raise BadInputError("--draft-layers needs a full-attention layer to copy; this model has none")
     out = []
     for i in range(count):
-        out.append(LayerKV(first_index + i, base.kind, bytes_per_token=base.bytes_per_token))
+        out.append(LayerKV(first_index + i, base.kind, bytes_per_token=base.bytes_per_token, kv_dtype=base.kv_dtype,
+                           backend=base.backend))
         if index_bytes:
             out.append(LayerKV(first_index + i, "mla", bytes_per_token=index_bytes, role="indexer"))
     return out

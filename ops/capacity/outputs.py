@@ -15,6 +15,7 @@ import shlex
 from typing import Any
 
 from kvops.core.errors import KvopsError
+from kvops.core.kv_dtypes import is_quantized
 from kvops.core.plan import OffloadAdvice, Plan, PlanSizing
 from kvops.ops.capacity.offload import LMCACHE_CHUNK_TOKENS
 
@@ -71,8 +72,10 @@ def serve_command(model_ref: str, plan: PlanSizing, kvops_yaml: str = "kvops.yam
         argv += ["--gpu-memory-utilization", f"{plan.gpu_memory_utilization:.2f}"]
     argv += ["--max-model-len", str(plan.max_model_len), "--max-num-seqs", str(plan.max_num_seqs),
              "--max-num-batched-tokens", str(plan.max_num_batched_tokens)]
-    if plan.kv_cache_dtype.startswith("fp8"):
+    if is_quantized(plan.kv_cache_dtype):
         argv += ["--kv-cache-dtype", plan.kv_cache_dtype]
+    if plan.kv_cache_dtype_skip_layers:  # vLLM's list flag: one argument per entry
+        argv += ["--kv-cache-dtype-skip-layers", *plan.kv_cache_dtype_skip_layers]
     argv += ["--additional-config", json.dumps({"kvops": {"config": kvops_yaml}})]
     return shlex.join(argv)
 

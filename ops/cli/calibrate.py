@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from kvops.core.errors import BadInputError
+from kvops.core.kv_dtypes import calibratable_names, fp8_format
 
 
 def register(app: typer.Typer) -> None:
@@ -21,7 +22,9 @@ def calibrate(
         Path | None, typer.Option(help="Calibration prompts: one per line, or .jsonl with \"prompt\".")
     ] = None,
     synthetic: Annotated[int | None, typer.Option(help="Use N generated prompts instead.")] = None,
-    dtype: Annotated[str, typer.Option(help="fp8_e4m3 (= fp8) or fp8_e5m2.")] = "fp8_e4m3",
+    dtype: Annotated[str, typer.Option(
+        help=f"The --kv-cache-dtype to calibrate for: {', '.join(calibratable_names())} (fp8 = fp8_e4m3).")
+    ] = "fp8_e4m3",
     margin: Annotated[float, typer.Option(help="scale = absmax × margin / format max.")] = 1.25,
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 16,
     log: Annotated[Path, typer.Option(help="Where the recording server logs.")] = Path("kvops-calibrate.log"),
@@ -30,7 +33,11 @@ def calibrate(
     from kvops.ops.fp8.calibrate import CalibrationRequest, resolve_prompts, write_scales
     from kvops.ops.fp8.calibrate import calibrate as run_calibration
 
-    dtype = "fp8_e4m3" if dtype == "fp8" else dtype
+    fmt = fp8_format(dtype)
+    if fmt is None:
+        raise BadInputError(f"--dtype {dtype}: kvops calibrate measures per-tensor scales for "
+                            f"{', '.join(calibratable_names())}")
+    dtype = fmt
     if not out.parent.is_dir():
         raise BadInputError(f"--out {out}: directory {out.parent} does not exist")
     if not margin >= 1.0:

@@ -34,6 +34,7 @@ from kvops.core.fp8.scales import (
     read_model_config,
     scale_from_absmax,
 )
+from kvops.core.kv_dtypes import calibratable_names, fp8_format
 from kvops.ops.launch import ManagedServer, vllm_server
 
 _SYNTHETIC_WORDS = (
@@ -103,8 +104,9 @@ def calibrate(
 def recording_server(req: CalibrationRequest, log_path: Path) -> Iterator[tuple[ManagedServer, Path]]:
     """A started `vllm serve` of req.model_dir with the plugin recording K/V (bf16 KV unless
     req.extra_server_args say otherwise), and the directory its workers write to."""
-    if req.dtype not in FORMAT_MAX:
-        raise BadInputError(f"--dtype {req.dtype}: choose one of {', '.join(FORMAT_MAX)}")
+    if fp8_format(req.dtype) is None:
+        raise BadInputError(f"--dtype {req.dtype}: kvops calibrate measures per-tensor scales for "
+                            f"{', '.join(calibratable_names())}")
     read_model_config(req.model_dir)
     with tempfile.TemporaryDirectory(prefix="kvops-calib-") as tmp:
         record_dir = Path(tmp)
@@ -137,7 +139,7 @@ def collect_scales(
     if not layers:
         raise KvopsError("the server recorded no K/V: is the kvops plugin installed in its venv?")
     return ScalesFile(
-        dtype=cast(Fp8Format, req.dtype),  # checked against FORMAT_MAX in validate
+        dtype=cast(Fp8Format, fp8_format(req.dtype)),  # checked by recording_server
         margin=req.margin,
         model=fingerprint_of_config(read_model_config(req.model_dir)),
         vllm_version=_server_version(url),

@@ -30,6 +30,7 @@ from kvops.core.fp8.scales import (
     scales_mismatch,
 )
 from kvops.core.fp8.settings import KvScalesSettings
+from kvops.core.kv_dtypes import KV_DTYPES, calibratable_names, device_names, is_quantized
 
 FAKE_CPU_FLAGS_ENV = "KVOPS_FAKE_CPU_FLAGS"
 """Replaces /proc/cpuinfo's flags (comma-separated) in the fp8 check. Only for tests: a CPU
@@ -60,6 +61,10 @@ def model_dir_of(vllm_config: Any) -> Path | None:
     return path if path.is_dir() else None
 
 
+def _runs_on_cpu(cache_dtype: str, use_mla: bool) -> bool:
+    return any(row.name == cache_dtype and row.runs_on("cpu", use_mla) for row in KV_DTYPES)
+
+
 def plan_fp8(vllm_config: Any, kv_scales: KvScalesSettings | None, on_cpu: bool) -> Fp8Plan | None:
     """Validate fp8 KV for this config; None when the KV is not fp8 (or we only record)."""
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
@@ -71,11 +76,15 @@ def plan_fp8(vllm_config: Any, kv_scales: KvScalesSettings | None, on_cpu: bool)
             "kv_scales does not support MLA models (their latent cache is written by "
             "MLAAttention, which kvops does not hook): drop kv_scales"
         )
+    if on_cpu and fmt is None and is_quantized(cache_dtype) and not _runs_on_cpu(cache_dtype, bool(model_config.use_mla)):
+        raise KvopsPluginError(
+            f"--kv-cache-dtype {cache_dtype} does not run on vLLM's CPU backend (it fails at worker KV init): "
+            f"the CPU runs {', '.join(device_names('cpu', bool(model_config.use_mla)))}")
     if fmt is None:
         if kv_scales is not None and not recording:
             raise KvopsPluginError(
-                f"kv_scales is set but --kv-cache-dtype is {cache_dtype!r}: add "
-                "--kv-cache-dtype fp8 (or drop kv_scales)"
+                f"kv_scales is set but --kv-cache-dtype is {cache_dtype!r}: add --kv-cache-dtype fp8 "
+                f"(kv_scales applies to {', '.join(calibratable_names())}) or drop kv_scales"
             )
         return None
     if on_cpu:

@@ -41,7 +41,7 @@ def test_needs_exactly_one_prompt_source(model_dir, tmp_path):
     [
         (["--prompts", "/nonexistent/p.txt"], "--prompts /nonexistent/p.txt: no such file"),
         (["--synthetic", "0"], "--synthetic must be >= 1"),
-        (["--synthetic", "2", "--dtype", "int8"], "--dtype int8: choose one of fp8_e4m3, fp8_e5m2"),
+        (["--synthetic", "2", "--dtype", "int8"], "--dtype int8: kvops calibrate measures per-tensor scales for fp8, fp8_e4m3, fp8_e5m2"),
         (["--synthetic", "2", "--margin", "0.5"], "--margin 0.5: must be >= 1.0"),
     ],
 )
