@@ -3,7 +3,8 @@
 The comparison runs in a subprocess that imports vLLM (the planner itself never does), over the
 fixture configs × budgets × max_model_len × kv dtypes (plus pipeline-parallel splits, and the
 families with their own oracles: DeepSeek-V3.2 sparse MLA, Gemma-4 per-layer head dims,
-speculative decoding, VLLM_PP_LAYER_PARTITION), and counts exact (num_blocks, tokens,
+speculative decoding, VLLM_PP_LAYER_PARTITION, every vLLM KV cache dtype with and without
+--kv-cache-dtype-skip-layers on cuda and cpu), and counts exact (num_blocks, tokens,
 concurrency) agreements.
 """
 
@@ -72,6 +73,16 @@ for name in ("llama_8b", "deepseek_v3", "qwen3_next"):
                 "pp": split.count(",") + 1, "split": split}
         count("pp_layer_partition", t.run_pp(o, cfg, case), ppp.ours(cfg, case))
 os.environ.pop("VLLM_PP_LAYER_PARTITION")
+import test_capacity_oracle_kv_dtypes as kvd
+dtypes = kvd.DtypeOracle(o)
+for name in kvd.CONFIGS:
+    cfg = kvd.load(name)
+    for kv in kvd.cache_dtypes():
+        for skip in kvd.SKIPS[name][:2]:
+            for device in ("cuda", "cpu"):  # a dtype the device cannot run: both must refuse it
+                case = {"budget": 20 * 2**30, "mml": 32000, "tp": 1 if "DeepSeek" in name else 2, "kv": kv,
+                        "skip": skip, "device": device, "mnbt": 2048}
+                count("kv_dtypes", dtypes.run(cfg, case), kvd.ours(cfg, case))
 more_exact, more_total = (sum(v[i] for v in families.values()) for i in (0, 1))
 print(json.dumps({"exact_cases": exact + pp_exact + more_exact, "total_cases": total + pp_total + more_total,
                   "pp_exact_cases": pp_exact, "pp_total_cases": pp_total,
