@@ -22,7 +22,8 @@ from kvops.core.prom import MetricsSample, cache_int, delta, window
 from kvops.core.promql import free_blocks
 from kvops.core.stats import mean, percentile
 from kvops.core.verdict import Verdict
-from kvops.loadtest.analysis.ramp import next_run
+from kvops.loadtest.analysis.load import more_workers
+from kvops.loadtest.analysis.ramp import Tested, next_run
 from kvops.loadtest.config import KvExhaustionConfig
 from kvops.loadtest.records import RequestRecord
 
@@ -56,6 +57,8 @@ class StepResult:
     """The fewest free KV blocks in the step's readings (a fleet's: in its fullest replica)."""
     prompt_blocks_min: int | None = None
     """Blocks the step's smallest prompt needs: a waiting request cannot be admitted in fewer."""
+    request_s_p50: float | None = None
+    """How long the step's requests lasted, sent to done (those the run's end cut off: so far)."""
     counters_late_s: float = 0.0
     """How far past the step's end its counters were read: a replica whose scrape failed over
     the end reports what it counted in the step only at its next reading (_counter_edge)."""
@@ -91,6 +94,7 @@ def measure_step(index: int, users: int, start: float, end: float, config: KvExh
                            if SCHED_MAX_SEQS in s.values), None),
         kv_free_blocks_min=min(frees) if frees else None,
         prompt_blocks_min=math.ceil(min(prompts) / size) if prompts and size else None,
+        request_s_p50=percentile([r.e2e_s for r in sent if r.e2e_s and (r.ok or r.stopped)], 50),
         counters_late_s=round(max(0.0, edge[-1].t - end), 3) if edge else 0.0,
     )
 
@@ -197,8 +201,10 @@ def planned_concurrency(expected: Expectation, tokens_per_request: float) -> dic
 
 def analyse(config: KvExhaustionConfig, records: list[RequestRecord], samples: list[MetricsSample],
             started_at: float, expected: Expectation | None = None,
-            ramp: dict[str, Any] | None = None) -> tuple[list[StepResult], list[Verdict]]:
-    """``ramp``: how the steps were sized from the server (None: the operator gave them)."""
+            ramp: dict[str, Any] | None = None, processes: int = 1
+            ) -> tuple[list[StepResult], list[Verdict]]:
+    """``ramp``: how the steps were sized from the server (None: the operator gave them);
+    ``processes``: the Locust processes that sent the load (a rerun asks for more)."""
     steps: list[StepResult] = []
     for i, (users, start, end) in enumerate(step_bounds(config, started_at)):
         step = measure_step(i, users, start, end, config, records, samples)
@@ -224,7 +230,7 @@ def analyse(config: KvExhaustionConfig, records: list[RequestRecord], samples: l
     if ramp is not None:
         evidence["ramp"] = ramp
     if knee is None:
-        return steps, [_no_limit(config, steps, evidence, ramp)]
+        return steps, [_no_limit(config, steps, evidence, ramp, processes)]
     evidence.update({
         "knee_users": knee.users, "waiting_max": knee.waiting_max, "running_max": knee.running_max,
         "kv_usage_max": round(knee.kv_usage_max, 4), "preemptions": knee.preemptions,
@@ -256,7 +262,7 @@ offered: closed-loop users each keep one request in flight, unless the client fa
 
 
 def _no_limit(config: KvExhaustionConfig, steps: list[StepResult], evidence: dict[str, Any],
-              ramp: dict[str, Any] | None) -> Verdict:
+              ramp: dict[str, Any] | None, processes: int = 1) -> Verdict:
     """No step bound: the run never reached the KV limit, so it says that and what to run next
     (``inconclusive`` / ``limit-not-reached``), whoever chose the users: a sized ramp that ended
     below the knee, or the ``--users``/``steps`` the operator gave. Never healthy about a limit
@@ -272,18 +278,17 @@ def _no_limit(config: KvExhaustionConfig, steps: list[StepResult], evidence: dic
     if top is not None and seen < CLIENT_KEPT * top.users:
         return Verdict("inconclusive", "client-bound", {**evidence, "in_flight_seen_at_top": seen},
                        f"the server saw at most {seen:.0f} of the {top.users} users' requests: the "
-                       "load generator fell behind; rerun with --workers N or on a machine with "
-                       "more CPU for the client (`kvops runbook kv-exhaustion`)")
+                       f"load generator fell behind; rerun with --workers {more_workers(processes)} "
+                       "or on a machine with more CPU for the client (`kvops runbook kv-exhaustion`)")
+    tested = Tested(top_users=top.users if top else 0, steps=len(steps), step_s=config.step_s,
+                    kv_usage_max=evidence["kv_usage_max_reached"],
+                    request_s=top.request_s_p50 if top else None, sized=ramp is not None)
+    predicted = evidence.get("predicted_max_concurrency")
     if ramp is None:
-        tested, predicted = evidence["max_users_tested"], evidence.get("predicted_max_concurrency")
-        evidence["note"] = (f"no limit bound up to the {tested} users asked for"
+        evidence["note"] = (f"no limit bound up to the {tested.top_users} users asked for"
                             + (f"; the KV cache holds ~{predicted} such requests" if predicted else ""))
-        return Verdict("inconclusive", "limit-not-reached", evidence,
-                       f"{tested} users fit: the KV limit lies beyond them and this run did not "
-                       "test it; to find it, rerun without --users or steps (a ramp sized to the "
-                       "server's KV cache)" + (f" or with --users {2 * int(predicted)}" if predicted else "")
-                       + " (`kvops runbook kv-exhaustion`)")
-    return Verdict("inconclusive", "limit-not-reached", evidence, next_run(ramp, config))
+    return Verdict("inconclusive", "limit-not-reached", evidence,
+                   next_run(ramp, config, tested, int(predicted) if predicted else None))
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -73,39 +73,90 @@ class Ramp:
 
 
 def size(config: KvExhaustionConfig, capacity: Capacity) -> Ramp:
-    """Doubling steps to 2 × the predicted knee, fit into ``max_duration_s``: steps shrink to
-    the budget down to ``min_step_s``, then the top steps are left out."""
+    """Doubling steps that end at 2 × the predicted knee (the top itself, e.g. 1, 2, 4, 8, 16, 22
+    for a knee of 11), fit into ``max_duration_s``: steps shrink to the budget down to
+    ``min_step_s``; a ramp still too long keeps its first step (the unloaded reference) and its
+    top ones, never a top below the one it targets."""
     knee = capacity.knee
     top = min(max(2 * knee if knee else MIN_TOP, MIN_TOP), config.max_users)
     wanted = doubling_steps(top)
     step_s = max(config.min_step_s, min(config.step_s, config.max_duration_s / len(wanted)))
-    fit = max(1, int(config.max_duration_s // step_s + 1e-9))
-    return Ramp(wanted[:fit], step_s, capacity, top)
+    # the tolerance inside the floor: 40 / (40 / 6) is 5.999..., and flooring it left the top out
+    fit = max(1, math.floor(config.max_duration_s / step_s + 1e-9))
+    return Ramp(_thinned(wanted, fit), step_s, capacity, top)
 
 
-def next_run(ramp: dict[str, Any] | None, config: KvExhaustionConfig) -> str:
-    """What to run when the ramp ended below the knee."""
-    if not ramp or not ramp.get("predicted_knee_users"):
-        return ("the server publishes no KV capacity (vllm:cache_config_info): give the load "
-                "explicitly, e.g. --users 64 --duration 120, and check the knee by hand "
-                "(`kvops runbook kv-exhaustion`)")
-    knee = int(ramp["predicted_knee_users"])
-    top = int(ramp["wanted_top_users"])
-    reached = int(ramp["steps"][-1]) if ramp.get("steps") else 0
-    if reached >= 2 * knee:
-        # the whole ramp ran and nothing bound: requests took less KV than predicted
-        return (f"no limit bound up to {reached} users, twice the ~{knee} the KV cache is "
-                "predicted to hold: requests used less KV than their lengths say (shared prefix "
-                "blocks, outputs ending before max_tokens: set ignore_eos in the workload) or "
-                f"the server has more blocks than it publishes; rerun with --users {4 * knee} "
-                "(`kvops runbook kv-exhaustion`)")
-    if reached >= top:  # stopped at the scenario's max_users, short of 2 x the knee
-        return (f"the knee is predicted at ~{knee} users, beyond the scenario's max_users "
-                f"{config.max_users}: rerun with --users {2 * knee} --duration "
-                f"{math.ceil(len(doubling_steps(2 * knee)) * config.step_s)} "
-                "(`kvops runbook kv-exhaustion`)")
-    steps = len(doubling_steps(top))
-    seconds = math.ceil(steps * max(config.min_step_s, min(config.step_s, 10.0)))
-    return (f"the knee is predicted at ~{knee} users; rerun with "
-            f"--duration {seconds} (or --users {top}) to step up to {top} users "
-            "(`kvops runbook kv-exhaustion`)")
+def _thinned(steps: list[int], fit: int) -> list[int]:
+    """At most ``fit`` of ``steps``: the first and the last ``fit - 1`` (the knee and its top)."""
+    if len(steps) <= fit:
+        return steps
+    return steps[-1:] if fit == 1 else steps[:1] + steps[-(fit - 1):]
+
+
+@dataclass(frozen=True)
+class Tested:
+    """What a run that bound no limit did and saw: the ground its next run must go beyond."""
+
+    top_users: int
+    steps: int
+    step_s: float
+    kv_usage_max: float
+    """The highest KV usage any step read."""
+    request_s: float | None
+    """How long the top step's requests lasted, sent to done (p50; one the run's end cut off
+    counts with its time so far): a step shorter than this never sees them release their KV."""
+    sized: bool
+    """The steps were sized from the server (not --users or the scenario's steps)."""
+
+
+REQUESTS_PER_STEP = 2.0
+"""A step long enough to see this many requests through, one after another, per user: the
+queue a full cache makes forms when running requests grow or end, not when they arrive."""
+
+
+def next_run(ramp: dict[str, Any] | None, config: KvExhaustionConfig, tested: Tested,
+             predicted: int | None = None) -> str:
+    """What to run when no limit bound, read off what the run did (``tested``) so that it never
+    advises the same run again: the same users with longer steps where the cache filled and no
+    request waited, more users where it did not fill, past the knee where the run stopped short
+    of it. ``predicted``: the KV cache's concurrency where the operator gave the steps."""
+    knee = int(ramp["predicted_knee_users"]) if ramp and ramp.get("predicted_knee_users") else predicted
+    why, users = _what_was_missing(tested, knee, config)
+    # the same users again only where the steps were too short: then they grow
+    step_s = _step_s(tested, config, longer=users == tested.top_users)
+    duration = math.ceil(len(doubling_steps(users)) * step_s)
+    return f"{why}; rerun with --users {users} --duration {duration} (`kvops runbook kv-exhaustion`)"
+
+
+def _what_was_missing(tested: Tested, knee: int | None, config: KvExhaustionConfig) -> tuple[str, int]:
+    """Why the run bound nothing, and the top users of the next run."""
+    top, usage = tested.top_users, tested.kv_usage_max
+    if usage >= config.kv_usage_bound:
+        took = f" while a request took {tested.request_s:.1f} s" if tested.request_s else ""
+        return (f"the KV cache filled ({usage:.0%}) at {top} users but within steps of "
+                f"{tested.step_s:g} s{took} no step saw requests queue or get preempted: the steps "
+                "were too short for the queue to form, so run the same users with longer steps"), top
+    if knee is None:
+        return ("the server publishes no KV capacity (vllm:cache_config_info), so the ramp "
+                f"could not be sized and {top} users bound nothing: give more load explicitly "
+                "and check the knee by hand"), max(64, 4 * top)
+    if top < 2 * knee:
+        cap = (f" (the scenario's max_users {config.max_users} stopped the ramp)"
+               if tested.sized and top >= config.max_users else "")
+        sized = "" if tested.sized else " (or rerun without --users: a ramp sized to the server)"
+        return (f"{top} users fit{cap}: the knee is predicted at ~{knee} users and this run did "
+                f"not reach twice that{sized}"), 2 * knee
+    # twice the knee ran and nothing bound: requests took less KV than their lengths say
+    return (f"no limit bound up to {top} users, at least twice the ~{knee} the KV cache is "
+            f"predicted to hold, and KV usage peaked at {usage:.0%}: requests used less KV than "
+            "their lengths say (shared prefix blocks, outputs ending before max_tokens: set "
+            "ignore_eos in the workload) or the server has more blocks than it publishes"), max(4 * knee, 2 * top)
+
+
+def _step_s(tested: Tested, config: KvExhaustionConfig, longer: bool) -> float:
+    """The next run's step: as long as this run's (at least the scenario's min_step_s), and with
+    the same users at least twice as long and long enough for REQUESTS_PER_STEP requests."""
+    step = max(tested.step_s, config.min_step_s)
+    if not longer:
+        return step
+    return max(2 * step, REQUESTS_PER_STEP * (tested.request_s or 0.0) / (1 - config.settle_fraction))
