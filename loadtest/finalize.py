@@ -120,7 +120,7 @@ def analyse(run: Run) -> tuple[dict[str, Any], list[Verdict], int]:
     if isinstance(cfg, KvExhaustionConfig):
         expected = kv.load_expectation(run.expect) if run.expect else None
         steps, verdicts = kv.analyse(cfg, run.records, run.samples, run.started_at, expected,
-                                     run.ramp)
+                                     run.ramp, processes=run.processes)
         return {"steps": kv.steps_table(steps)}, verdicts, EXIT_OK
     if isinstance(cfg, PrefixMissConfig):
         tokenizer = ServerTokenizer(run.host, run.model, headers=run.headers)
@@ -135,7 +135,7 @@ def analyse(run: Run) -> tuple[dict[str, Any], list[Verdict], int]:
         return {"replay": summary}, verdicts, EXIT_CHECK_FAILED if missed else EXIT_OK
     assert isinstance(cfg, TtftRegressionConfig)
     summary = ttft.summarise(cfg, run.records, run.samples, duration,
-                             overdue=(run.overdue_s, run.overdue_count))
+                             overdue=(run.overdue_s, run.overdue_count), processes=run.processes)
     section: dict[str, Any] = {"ttft": {"summary": summary}}
     if run.baseline is None:
         return section, [ttft.no_baseline(summary, cfg.late_s)], EXIT_OK

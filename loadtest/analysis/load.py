@@ -23,6 +23,12 @@ from kvops.core.stats import mean
 from kvops.loadtest.records import RequestRecord
 
 
+def more_workers(processes: int) -> int:
+    """Locust workers a rerun of a client-bound run asks for: more processes than the run had
+    (two where it ran in one, twice its workers where it was distributed), never its own count."""
+    return 2 if processes <= 1 else 2 * processes
+
+
 def in_flight(records: Sequence[RequestRecord]) -> tuple[float | None, int]:
     """Time-weighted mean and the maximum of requests in flight, from the client's stamps."""
     spans = [(r.sent_at, r.done_at) for r in records if r.e2e_s is not None]

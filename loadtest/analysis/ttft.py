@@ -8,6 +8,8 @@ interval gives one (Δsum, Δcount) pair, and the bootstrap resamples intervals.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,7 +81,7 @@ def client_samples(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
 
 def summarise(config: TtftRegressionConfig, records: Sequence[RequestRecord],
               samples: Sequence[MetricsSample], duration_s: float,
-              overdue: tuple[Sequence[float], int] = ((), 0)) -> dict[str, Any]:
+              overdue: tuple[Sequence[float], int] = ((), 0), processes: int = 1) -> dict[str, Any]:
     """Everything a later run needs to compare against: raw samples plus the headline numbers.
     ``overdue``: the lateness at the stop of the arrivals that came due and were never sent, and
     their count; they are late sends too (lower bounds), so a pool whose every user waited on a
@@ -93,8 +95,12 @@ def summarise(config: TtftRegressionConfig, records: Sequence[RequestRecord],
     sent_span = max((r.sent_at for r in records), default=0.0) - first_sent
     done_span = max((r.done_at for r in done), default=0.0) - first_sent
     arrival = round((len(records) - 1) / sent_span, 3) if sent_span > 0 else None
+    failed = [r for r in records if not r.ok and not r.stopped]
     return {
-        "rate_rps": config.rate_rps, "users": config.users,
+        "rate_rps": config.rate_rps, "users": config.users, "duration_s": round(duration_s, 3),
+        "processes": processes, "sent": len(records),
+        "failed": dict(sorted(Counter(r.status for r in failed).items())),
+        "first_error": (failed[0].error or "")[:200] if failed else None,
         "load": load.offered(records, samples, arrival),
         "arrival_rate_rps": arrival,
         "completion_rate_rps": round(len(done) / done_span, 3) if done and done_span > 0 else None,
@@ -132,7 +138,8 @@ def compare(config: TtftRegressionConfig, base: dict[str, Any], cand: dict[str, 
     empty = [side for side, summary in (("baseline", base), ("candidate", cand))
              if not summary["samples"].get("ttft_s")]
     if empty:
-        return table, [_no_samples(_headline(table), empty)]
+        return table, [_no_samples(_headline(table), empty, [base if side == "baseline" else cand
+                                                            for side in empty])]
     regressed = [n for n in ("ttft_p50", "ttft_p90", "itl_mean") if table[n].get("regressed")]
     late = load.behind(base, cand, config.late_s)
     cpu_bound = [x for x in late if not x.pool_exhausted]
@@ -179,7 +186,10 @@ def _behind(late: Sequence[load.Lateness], late_s: float) -> str:
         for x in late)
 
 
-_RERUN = "--workers N (or on a machine with more CPU for the client)"
+def _rerun(summary: dict[str, Any]) -> str:
+    """More Locust processes than the run had (its summary's ``processes``)."""
+    return (f"--workers {load.more_workers(int(summary.get('processes') or 1))} (or on a machine "
+            "with more CPU for the client)")
 
 
 def _client_bound(table: dict[str, Any], base: dict[str, Any], cand: dict[str, Any],
@@ -188,16 +198,40 @@ def _client_bound(table: dict[str, Any], base: dict[str, Any], cand: dict[str, A
                                                      **_load_evidence(base, cand, config, late)},
                    f"the load generator fell behind its arrival schedule in {_behind(late, config.late_s)} "
                    f"with users to spare: the load compared is not the load asked for. Rerun with "
-                   f"{_RERUN} and compare again (`kvops runbook ttft-regression`)")
+                   f"{_rerun(cand)} and compare again (`kvops runbook ttft-regression`)")
 
 
-def _no_samples(evidence: dict[str, Any], sides: Sequence[str]) -> Verdict:
+def _no_samples(evidence: dict[str, Any], sides: Sequence[str], summaries: Sequence[dict[str, Any]]
+                ) -> Verdict:
     """Nothing to compare: no request of that run got a first token or was left waiting for
     one (every request failed, or none was sent). Never "healthy" for want of a number."""
     return Verdict("inconclusive", "no-samples", {**evidence, "without_ttft": list(sides)},
-                   f"no request of the {' and the '.join(sides)} run measured a TTFT (each "
-                   f"failed, or none was sent): check that the server answers (`kvops diagnose "
-                   f"--url URL`) and run it again (`kvops runbook ttft-regression`)")
+                   f"no request of the {' and the '.join(sides)} run measured a TTFT: "
+                   f"{_why_no_ttft(summaries)} (`kvops runbook ttft-regression`)")
+
+
+def _why_no_ttft(summaries: Sequence[dict[str, Any]]) -> str:
+    """What the run lacked, from its own records: the server refused the requests (their HTTP
+    statuses and the first error say why; the same requests would be refused again), or none
+    was sent (the run ended before its first arrival: a longer one). Older result files lack
+    the counts: then only the check."""
+    failed: Counter[str] = Counter()
+    for summary in summaries:
+        failed.update({str(k): int(v) for k, v in (summary.get("failed") or {}).items()})
+    first = next((s["first_error"] for s in summaries if s.get("first_error")), None)
+    if failed:
+        statuses = ", ".join(f"HTTP {status} x{n}" for status, n in sorted(failed.items()))
+        return (f"every request failed ({statuses}{f'; first: {first}' if first else ''}): the "
+                "same requests would fail again, so change what the server refuses first (a prompt "
+                "over --max-model-len: shorter prompts in the scenario file, or a larger "
+                "--max-model-len), checking with `kvops diagnose --url URL`")
+    unsent = [s for s in summaries if s.get("sent") == 0 and s.get("duration_s") and s.get("rate_rps")]
+    if unsent:
+        s = unsent[0]
+        longer = math.ceil(max(2 * float(s["duration_s"]), 3 / float(s["rate_rps"])))
+        return (f"none was sent in {s['duration_s']} s at --rate {s['rate_rps']}: rerun with "
+                f"--duration {longer}")
+    return "check that the server answers (`kvops diagnose --url URL`) before comparing"
 
 
 def no_baseline(summary: dict[str, Any], late_s: float) -> Verdict:
@@ -208,7 +242,7 @@ def no_baseline(summary: dict[str, Any], late_s: float) -> Verdict:
     while re-recording is one command away."""
     means = summary["server_means_s"]
     if not summary["samples"].get("ttft_s"):
-        return _no_samples({"ttft_p50_s": None, "server_means_s": means}, ["recorded"])
+        return _no_samples({"ttft_p50_s": None, "server_means_s": means}, ["recorded"], [summary])
     late = load.fell_behind("run", summary, late_s)
     if late is None:
         return healthy(note="no baseline given: this result can serve as one (--baseline FILE)",
@@ -225,7 +259,7 @@ def no_baseline(summary: dict[str, Any], late_s: float) -> Verdict:
                     "comparison_reliable": False, "client_behind": [late.to_dict()]},
                    f"the load generator fell behind its arrival schedule in {_behind([late], late_s)} "
                    f"with users to spare: this run offered less than the load asked for and is no "
-                   f"baseline. Record it again with {_RERUN} (`kvops runbook ttft-regression`)")
+                   f"baseline. Record it again with {_rerun(summary)} (`kvops runbook ttft-regression`)")
 
 
 def _row(config: TtftRegressionConfig, base: Sequence[Any], cand: Sequence[Any],

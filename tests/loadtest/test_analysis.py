@@ -211,7 +211,23 @@ def test_a_run_without_any_ttft_is_inconclusive_not_healthy():
     assert verdict.evidence["without_ttft"] == ["baseline", "candidate"]
     alone = ttft.no_baseline(_summary([]), cfg.late_s)
     assert (alone.problem, alone.cause) == ("inconclusive", "no-samples")
-    assert "run it again" in alone.next
+
+
+def test_a_run_without_any_ttft_says_what_it_lacked_not_to_run_it_again():
+    # every prompt refused: the same run would be refused again, so the next step names the refusal
+    cfg = TtftRegressionConfig(rate_rps=2.0, duration_s=6.0)
+    refused = [RequestRecord(request_id=str(i), kind="completions", sent_at=float(i), e2e_s=0.02,
+                             status=400, error="This model's maximum context length is 2048 tokens")
+               for i in range(3)]
+    v = ttft.no_baseline(ttft.summarise(cfg, refused, [], 6.0), cfg.late_s)
+    assert (v.problem, v.cause) == ("inconclusive", "no-samples")
+    assert "HTTP 400 x3" in v.next
+    assert "maximum context length" in v.next
+    assert "run it again" not in v.next
+    # nothing sent: 1 s at 0.2 req/s ends before its first arrival; a longer run, not the same
+    quiet = TtftRegressionConfig(rate_rps=0.2, duration_s=1.0)
+    v = ttft.no_baseline(ttft.summarise(quiet, [], [], 1.0), quiet.late_s)
+    assert "--duration 15" in v.next  # three arrivals' worth at 0.2/s
 
 
 def test_client_summary_sets_first_event_and_first_text_beside_the_server():
