@@ -18,7 +18,7 @@ PROBLEMS: dict[str, tuple[str, ...]] = {
     # say what ails it; scrape-timeout: the same, but the replica accepted the scrape and did not
     # answer in time, as a server overloaded does; preempted: a trace replay's recomputed blocks
     # counted as hits again; no-samples: no request of a ttft-regression run measured a TTFT,
-    # all failed or none sent)
+    # or none of a prefix-miss run finished: all failed, none sent, or all cut off at the end)
     "inconclusive": ("limit-not-reached", "client-bound", "target-down", "scrape-timeout",
                      "preempted", "no-samples"),
 }

@@ -124,7 +124,8 @@ def analyse(run: Run) -> tuple[dict[str, Any], list[Verdict], int]:
         return {"steps": kv.steps_table(steps)}, verdicts, EXIT_OK
     if isinstance(cfg, PrefixMissConfig):
         tokenizer = ServerTokenizer(run.host, run.model, headers=run.headers)
-        summary, verdicts = prefix.analyse(run.records, run.samples, tokenizer, cfg.min_ratio)
+        summary, verdicts = prefix.analyse(run.records, run.samples, tokenizer, cfg.min_ratio,
+                                           duration_s=cfg.duration_s)
         return {"prefix": summary}, verdicts, EXIT_OK
     if isinstance(cfg, TraceReplayConfig):
         if run.replay is None:

@@ -20,6 +20,7 @@ drift in prompts we did not write.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -104,7 +105,8 @@ def drift_point(items: list[PrefixTokens]) -> tuple[int, str] | None:
 
 
 def analyse(records: list[RequestRecord], samples: list[MetricsSample], tokenizer: ServerTokenizer,
-            min_ratio: float) -> tuple[dict[str, Any], list[Verdict]]:
+            min_ratio: float, duration_s: float | None = None) -> tuple[dict[str, Any], list[Verdict]]:
+    """``duration_s``: the run's --duration, which a run that finished no request outgrows."""
     ok = [r for r in records if r.ok]
     last = samples[-1] if samples else None
     block = (cache_int(last, "block_size") if last else None) or DEFAULT_BLOCK
@@ -125,7 +127,33 @@ def analyse(records: list[RequestRecord], samples: list[MetricsSample], tokenize
         "per_request_cached_tokens": sum(cached) if cached else None,
         "enable_prefix_caching": last.cache_config.get("enable_prefix_caching") if last else None,
     }
+    if not ok:
+        return summary, [no_samples(summary, records, duration_s)]
     return summary, [_verdict(summary, items, samples, tokenizer, min_ratio, inferred)]
+
+
+def no_samples(summary: dict[str, Any], records: list[RequestRecord], duration_s: float | None) -> Verdict:
+    """No request finished: there is no hit rate to judge, which is not healthy. The next step
+    comes from the run's own records: the statuses the server refused them with (the same
+    requests would be refused again), or, where they were all still running when the run ended
+    (a real model on a slow CPU), a run long enough for each to finish twice."""
+    failed = Counter(r.status for r in records if not r.ok and not r.stopped)
+    cut = [r.e2e_s or 0.0 for r in records if r.stopped]
+    evidence = {**summary, "sent": len(records), "stopped_in_flight": len(cut),
+                "failed": dict(sorted(failed.items()))}
+    if failed:
+        first = next(r.error for r in records if not r.ok and not r.stopped)
+        statuses = ", ".join(f"HTTP {k} x{n}" for k, n in sorted(failed.items()))
+        why = (f"every request failed ({statuses}; first: {(first or '')[:200]}): change what the "
+               "server refuses before running it again (a prompt over --max-model-len: fewer "
+               "prefix_words or question_words, or a larger --max-model-len)")
+    elif cut:
+        longer = math.ceil(2 * max(duration_s or 0.0, max(cut)) + 1)
+        why = (f"none of the {len(cut)} requests sent finished before the run ended (the longest "
+               f"had run {max(cut):.1f} s): rerun with --duration {longer}")
+    else:
+        why = "no request was sent: check that the server answers (`kvops diagnose --url URL`)"
+    return Verdict("inconclusive", "no-samples", evidence, f"{why} (`kvops runbook prefix-miss`)")
 
 
 @dataclass(frozen=True)

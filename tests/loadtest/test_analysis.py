@@ -11,6 +11,7 @@ from kvops.core.prom import MetricsSample
 from kvops.core.promql import FleetReadings
 from kvops.core.stats import bootstrap_relative_change, row_percentile
 from kvops.loadtest.analysis import kv, prefix, ttft
+from kvops.loadtest.analysis.tokens import ServerTokenizer
 from kvops.loadtest.config import KvExhaustionConfig, TtftRegressionConfig
 from kvops.loadtest.records import RequestRecord
 
@@ -307,3 +308,19 @@ def test_a_small_pool_is_full_when_the_next_prompt_does_not_fit():
     # one server: usage over its num_gpu_blocks - 1 usable blocks
     one = [MetricsSample(t, {"kv_usage": 0.8, "waiting": 2, "running": 3}, dict(replica)) for t in range(0, 11)]
     assert kv.classify(kv.measure_step(0, 8, 0, 10, cfg, records, one), None, cfg) == kv.KV_BOUND
+
+
+def test_a_prefix_run_that_finished_no_request_is_no_sample_not_healthy():
+    # issue 41: SmolLM2 on a loaded CPU, 15 s: the one request sent was still running at the
+    # end, and the verdict said "healthy, nothing to do" over a hit rate of nothing
+    tokenizer = ServerTokenizer("http://127.0.0.1:9", "unused")  # no finished prompt to count
+    cut = RequestRecord(request_id="c", kind="completions", sent_at=0.0, e2e_s=15.0, stopped=True)
+    _, [v] = prefix.analyse([cut], [], tokenizer, 0.8, duration_s=15.0)
+    assert (v.problem, v.cause) == ("inconclusive", "no-samples")
+    assert v.evidence["stopped_in_flight"] == 1
+    assert "--duration 31" in v.next  # long enough for it to finish twice, not the 15 s again
+    refused = RequestRecord(request_id="r", kind="completions", sent_at=0.0, e2e_s=0.01, status=400,
+                            error="maximum context length is 2048 tokens")
+    _, [v] = prefix.analyse([refused, refused], [], tokenizer, 0.8, duration_s=15.0)
+    assert "HTTP 400 x2" in v.next
+    assert "--duration" not in v.next
