@@ -29,6 +29,8 @@ from kvops.core.kv_dtypes import fp8_format
 
 FORMAT_MAX: dict[str, float] = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 """Largest finite value of each fp8 format (OCP e4m3fn / e5m2)."""
+FORMAT_MIN_NORMAL: dict[str, float] = {"fp8_e4m3": 2.0**-6, "fp8_e5m2": 2.0**-14}
+"""Smallest normal value of each format: below it (value / scale) keeps fewer mantissa bits."""
 
 DEFAULT_MARGIN = 1.25
 """scale = absmax × margin / format max. The margin leaves 25% headroom for K/V larger than
@@ -147,11 +149,28 @@ class LayerScales(BaseModel):
     k_absmax: float | None = None
     v_absmax: float | None = None
     k_error: float | None = None
-    """Relative RMS error of K quantized with k_scale, over the sampled values."""
+    """Relative RMS error of K quantized with k_scale, over the sampled values. fp8's relative
+    error per value does not depend on the scale unless values saturate or fall into the
+    subnormals, so this and k_error_scale1 are alike (~0.026 for e4m3) on most models: read
+    the saturated/subnormal shares and kl_alone for what the scale changes."""
     v_error: float | None = None
     k_error_scale1: float | None = None
-    """The same error with scale 1.0: what calibration saves."""
+    """The same error with scale 1.0 (kept for files written before the shares below)."""
     v_error_scale1: float | None = None
+    k_saturated: float | None = None
+    """Share of sampled K values beyond the format's max at k_scale (clipped)."""
+    k_subnormal: float | None = None
+    """Share of sampled K values below the format's smallest normal at k_scale (fewer bits, or 0)."""
+    k_saturated_scale1: float | None = None
+    k_subnormal_scale1: float | None = None
+    v_saturated: float | None = None
+    v_subnormal: float | None = None
+    v_saturated_scale1: float | None = None
+    v_subnormal_scale1: float | None = None
+    kl_alone: float | None = None
+    """Mean next-token KL divergence from bf16 KV with only this layer's KV in fp8 (calibrated
+    scales), on the calibration prompts: what this layer's fp8 costs."""
+    perplexity_ratio_alone: float | None = None
 
     @field_validator("k_scale", "v_scale")
     @classmethod
@@ -159,6 +178,30 @@ class LayerScales(BaseModel):
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"must be a positive finite number, got {value}")
         return value
+
+
+class AccuracySummary(BaseModel):
+    """The model-level result of fp8 KV on the calibration prompts (offline emulation,
+    kvops.ops.fp8.offline) and the layers advised to stay bf16."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: str = "offline transformers forward, vLLM's fp8 round trip on the cached K/V"
+    sequences: int
+    tokens: int
+    threshold: float
+    bf16_perplexity: float
+    scale1_perplexity_ratio: float
+    scale1_mean_kl: float
+    calibrated_perplexity_ratio: float
+    calibrated_mean_kl: float
+    skip_layers: list[int] = []
+    """Layer indices for vLLM's --kv-cache-dtype-skip-layers (empty: none needed or none helps)."""
+    skip_perplexity_ratio: float | None = None
+    skip_mean_kl: float | None = None
+    safe: bool
+    """Calibrated fp8, with skip_layers in bf16, is within the threshold (perplexity ratio and
+    exp(mean KL) both)."""
 
 
 class ScalesFile(BaseModel):
@@ -174,6 +217,8 @@ class ScalesFile(BaseModel):
     tokens_seen: int = 0
     layers: dict[str, LayerScales]
     """vLLM attention layer name (e.g. ``model.layers.0.self_attn.attn``) -> scales."""
+    accuracy: AccuracySummary | None = None
+    """None in files written before kvops measured accuracy, or with --sensitivity-tokens 0."""
 
 
 def load_scales_file(path: Path) -> ScalesFile:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvops.core.errors import BadInputError
+
+if TYPE_CHECKING:
+    from kvops.core.fp8.scales import ScalesFile
 from kvops.core.kv_dtypes import calibratable_names, fp8_format
 
 
@@ -28,8 +31,13 @@ def calibrate(
     margin: Annotated[float, typer.Option(help="scale = absmax × margin / format max.")] = 1.25,
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 16,
     log: Annotated[Path, typer.Option(help="Where the recording server logs.")] = Path("kvops-calibrate.log"),
+    sensitivity_tokens: Annotated[int, typer.Option(
+        help="Prompt tokens the offline per-layer accuracy sweep scores (0: skip it).")] = 2048,
+    threshold: Annotated[float, typer.Option(
+        help="Perplexity ratio to bf16 KV the skip-layer advice aims for.")] = 1.005,
 ) -> None:
-    """Serve MODEL with the plugin recording K/V, send the prompts, write per-layer scales."""
+    """Serve MODEL with the plugin recording K/V, send the prompts, write per-layer scales, then
+    measure offline what each layer's fp8 KV costs and which layers to keep in bf16."""
     from kvops.ops.fp8.calibrate import CalibrationRequest, resolve_prompts, write_scales
     from kvops.ops.fp8.calibrate import calibrate as run_calibration
 
@@ -40,6 +48,8 @@ def calibrate(
     dtype = fmt
     if not out.parent.is_dir():
         raise BadInputError(f"--out {out}: directory {out.parent} does not exist")
+    if sensitivity_tokens < 0 or not threshold >= 1.0:
+        raise BadInputError("--sensitivity-tokens must be >= 0 and --threshold >= 1.0 (a perplexity ratio)")
     if not margin >= 1.0:
         raise BadInputError(f"--margin {margin}: must be >= 1.0 (values above the scale saturate)")
     prompt_list = tuple(resolve_prompts(prompts, synthetic))
@@ -48,9 +58,27 @@ def calibrate(
     )
     with typer.progressbar(length=len(prompt_list), label="calibrating", file=None) as bar:
         scales = run_calibration(request, log_path=log, progress=bar.update)
+    if sensitivity_tokens:
+        from kvops.ops.fp8.calibrate_accuracy import with_accuracy
+
+        with typer.progressbar(length=len(scales.layers), label="per-layer fp8 cost", file=None) as bar:
+            scales = with_accuracy(scales, model, prompt_list, threshold, sensitivity_tokens, bar.update)
     write_scales(scales, out)
-    worst = max(scales.layers.items(), key=lambda kv: max(kv[1].k_error or 0, kv[1].v_error or 0))
-    typer.echo(
-        f"wrote {len(scales.layers)} layers' {dtype} scales to {out} ({scales.tokens_seen} tokens; "
-        f"worst layer {worst[0]}: k error {worst[1].k_error:.4f}, v error {worst[1].v_error:.4f})"
-    )
+    for line in calibrate_lines(scales, out):
+        typer.echo(line)
+
+
+def calibrate_lines(scales: ScalesFile, out: Path) -> list[str]:
+    """What was written and what it means: saturation/subnormal shares at scale 1.0 vs the
+    calibrated scales (the only places the scale changes fp8's error), then the accuracy."""
+    from kvops.ops.fp8.calibrate_accuracy import summary_lines
+
+    def worst(field: str) -> float:
+        return max((getattr(s, field) or 0.0) for s in scales.layers.values())
+
+    lines = [f"wrote {len(scales.layers)} layers' {scales.dtype} scales to {out} ({scales.tokens_seen} tokens; "
+             f"K/V saturated at scale 1.0: {max(worst('k_saturated_scale1'), worst('v_saturated_scale1')):.2%}, "
+             f"calibrated: {max(worst('k_saturated'), worst('v_saturated')):.2%}; below fp8's smallest normal "
+             f"at 1.0: {max(worst('k_subnormal_scale1'), worst('v_subnormal_scale1')):.2%}, calibrated: "
+             f"{max(worst('k_subnormal'), worst('v_subnormal')):.2%}, worst layer)"]
+    return lines + (summary_lines(scales.accuracy) if scales.accuracy else [])

@@ -27,6 +27,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "capacity",
     "bench",
     "calibrate",
+    "fp8",
     "demo",
     "offload",
     "diagnose",

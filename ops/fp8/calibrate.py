@@ -27,6 +27,7 @@ from kvops.core.files import read_text
 from kvops.core.fp8.scales import (
     DEFAULT_MARGIN,
     FORMAT_MAX,
+    FORMAT_MIN_NORMAL,
     Fp8Format,
     LayerScales,
     ScalesFile,
@@ -215,13 +216,32 @@ def _merge_samples(record_dir: Path) -> dict[str, dict[str, Any]]:
 def _layer_scales(stat: dict[str, float], sample: dict[str, Any], req: CalibrationRequest) -> LayerScales:
     k_scale = scale_from_absmax(stat["k_absmax"], req.dtype, req.margin)
     v_scale = scale_from_absmax(stat["v_absmax"], req.dtype, req.margin)
+    shares: dict[str, float | None] = {}
+    for kind, scale in (("k", k_scale), ("v", v_scale)):
+        for suffix, at in (("", scale), ("_scale1", 1.0)):
+            saturated, subnormal = range_shares(sample.get(kind), at, req.dtype)
+            shares[f"{kind}_saturated{suffix}"], shares[f"{kind}_subnormal{suffix}"] = saturated, subnormal
     return LayerScales(
         k_scale=k_scale, v_scale=v_scale, k_absmax=stat["k_absmax"], v_absmax=stat["v_absmax"],
         k_error=quantization_error(sample.get("k"), k_scale, req.dtype),
         v_error=quantization_error(sample.get("v"), v_scale, req.dtype),
         k_error_scale1=quantization_error(sample.get("k"), 1.0, req.dtype),
         v_error_scale1=quantization_error(sample.get("v"), 1.0, req.dtype),
+        **shares,
     )
+
+
+def range_shares(values: Any, scale: float, dtype: str) -> tuple[float | None, float | None]:
+    """Shares of values that saturate (|x / scale| > max) and that fall below the smallest
+    normal (nonzero |x / scale| < min normal: fewer mantissa bits, or zero) at this scale: the
+    two places where the scale changes fp8's error at all."""
+    if values is None or values.numel() == 0:
+        return None, None
+    scaled = values.float().abs() / scale
+    count = float(scaled.numel())
+    saturated = float((scaled > FORMAT_MAX[dtype]).sum()) / count
+    subnormal = float(((scaled < FORMAT_MIN_NORMAL[dtype]) & (scaled > 0)).sum()) / count
+    return saturated, subnormal
 
 
 def quantization_error(values: Any, scale: float, dtype: str) -> float | None:
