@@ -264,8 +264,8 @@ def _unify_pages(specs: list[Spec]) -> list[Spec]:
                 "vLLM 0.32 cannot start with these skip layers (--kv-cache-dtype-skip-layers, and TurboQuant's first and "
                 "last 2 layers): the sliding layers' pages are padded "
                 f"to {s.page_bytes:,} B but a full-attention skip layer's page is {top:,} B "
-                "(v1/core/kv_cache_utils.py unify_kv_cache_spec_page_size fails an assertion); skip the sliding "
-                "layers too (sliding_window) or only sliding layers")
+                "(v1/core/kv_cache_utils.py unify_kv_cache_spec_page_size fails an assertion); skip no full-attention "
+                "layer on this model (only sliding_window), or choose a dtype that keeps none (not turboquant_*)")
         elif top % s.page_bytes == 0:
             ratio = top // s.page_bytes
             out.append(replace(s, block_size=s.block_size * ratio, page_bytes=top))
