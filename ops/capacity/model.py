@@ -230,10 +230,6 @@ def read_model(
     use_mla = cfg.get("kv_lora_rank") is not None
     sparse = is_sparse_mla(cfg)
     row = kv_dtype(kv_cache_dtype)
-    if row.mla_only and not use_mla:
-        raise BadInputError(f"--kv-cache-dtype {kv_cache_dtype} is only for MLA models (kv_lora_rank)")
-    if device is not None:
-        check_runs_on(kv_cache_dtype, device, use_mla)
     if sparse and not use_mla:
         raise BadInputError("config field 'index_topk' (sparse MLA indexer) needs an MLA model: "
                             "'kv_lora_rank' is missing")
@@ -249,6 +245,12 @@ def read_model(
     index_bytes = indexer_bytes_per_token(cfg) if sparse else 0
     kinds = layer_kinds(cfg)
     skip = _effective_skip_layers(skip_layers, row, kinds)
+    if any(kind not in (None, "mamba2", "gdn") and not _skipped(i, kind, skip) for i, (kind, _) in enumerate(kinds)):
+        # a dtype no attention layer uses (every one skipped) is never handed to a backend
+        if row.mla_only and not use_mla:
+            raise BadInputError(f"--kv-cache-dtype {kv_cache_dtype} is only for MLA models (kv_lora_rank)")
+        if device is not None:
+            check_runs_on(kv_cache_dtype, device, use_mla)
     if skip and use_mla:
         raise BadInputError("--kv-cache-dtype-skip-layers on an MLA model is not planned yet (vLLM sizes MLA "
                             "skip layers by the MLA backends' kernel blocks); plan it without skip layers")
@@ -265,7 +267,10 @@ def read_model(
     layers += _draft_layers(layers, draft_layers, len(kinds), index_bytes)
     auto = kv_dtype("auto")
     first = next((layer for layer in layers if layer.kind != "mamba"), None)
-    first_packs = first is None or first.kv_dtype == _spec_dtype(row, mdtype) or layer_backend(auto, device) == layer_backend(row, device)
+    # the first attention layer's backend sizes the primary for the block alignment; only the dtype's
+    # own CUDA backend packs it (CPU_ATTN packs nothing: every dtype it runs is dense)
+    first_packs = device != "cpu" and (first is None or first.kv_dtype == _spec_dtype(row, mdtype)
+                                       or layer_backend(auto, device) == row.cuda_backend)
     primary_1 = per_token if use_mla or first_packs else heads * row.unpacked_head_bytes_per_token(hsize, mbytes)
     skip_1 = heads * auto.unpacked_head_bytes_per_token(hsize, mbytes)
     return ModelKV(

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_capacity_oracle import FIXTURES, GIB, Oracle, oracle_layer_kinds
+from test_capacity_oracle import FIXTURES, GIB, Oracle, oracle_layer_kinds, synthetic_configs
 
 from kvops.core.errors import BadInputError
 from kvops.ops.capacity.allocator import SizingFlags, kv_capacity
@@ -183,17 +183,21 @@ def cache_dtypes() -> tuple[str, ...]:
 
 
 def load(name: str) -> dict[str, Any]:
+    if name in synthetic_configs():
+        return synthetic_configs()[name]
     cfg: dict[str, Any] = json.loads((FIXTURES / name).read_text())
     cfg.setdefault("torch_dtype", "bfloat16")
     return cfg
 
 
-# Dense GQA (head_dim 128), sliding + full layers (gpt-oss: head_dim 64), MLA.
-CONFIGS = ("meta-llama--Meta-Llama-3.1-8B.json", "openai--gpt-oss-20b.json", "deepseek-ai--DeepSeek-V3.json")
+# Dense GQA (head_dim 128), sliding + full layers (gpt-oss: head_dim 64), MLA, every layer sliding.
+CONFIGS = ("meta-llama--Meta-Llama-3.1-8B.json", "openai--gpt-oss-20b.json", "deepseek-ai--DeepSeek-V3.json",
+           "mistral_all_sw")
 SKIPS: dict[str, tuple[tuple[str, ...], ...]] = {
     "meta-llama--Meta-Llama-3.1-8B.json": ((), ("0", "31"), ("5",)),
     "openai--gpt-oss-20b.json": ((), ("sliding_window",), ("0", "3")),
     "deepseek-ai--DeepSeek-V3.json": ((),),
+    "mistral_all_sw": ((), ("sliding_window",), ("0", "3")),  # all skipped: the dtype reaches no backend
 }
 
 
