@@ -28,8 +28,9 @@ from pydantic import (
     ValidationError,
 )
 
+from kvops.core import kinds
 from kvops.core.errors import BadInputError
-from kvops.core.files import parse_json, read_text
+from kvops.core.kinds import read_json_of_kind
 from kvops.core.offload.costs import OffloadCosts
 
 PLAN_COMMANDS = "`kvops plan --json` or `kvops kv-capacity --json`"
@@ -312,8 +313,14 @@ class Expectation(_Lenient):
             raise BadInputError(f"{where}: {field}: {err['msg']}; pass the JSON of {PLAN_COMMANDS}") from None
 
 
+_CAPACITY_KEYS = frozenset(ExpectedCapacity.model_fields)
+
+
 def read_expectation(path: Path, where: str = "--expect") -> Expectation:
     """An ``--expect`` file: the JSON ``kvops plan --json`` or ``kvops kv-capacity --json`` printed."""
     label = f"{where} {path}"
-    doc = parse_json(read_text(path, label), label)
-    return Expectation.from_document(doc, f"{where} {path}")
+    doc = read_json_of_kind(path, label, kinds.PLAN, accepted=(kinds.KV_CAPACITY,))
+    if isinstance(doc, dict) and not _CAPACITY_KEYS & set(doc) and not isinstance(doc.get("capacity"), dict):
+        raise BadInputError(f"{label}: no capacity figures ({', '.join(sorted(_CAPACITY_KEYS))}); "
+                            f"pass the JSON of {PLAN_COMMANDS}")
+    return Expectation.from_document(doc, label)

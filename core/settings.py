@@ -13,10 +13,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kvops.core import kinds
 from kvops.core.admission.settings import AdmissionSettings
 from kvops.core.errors import BadInputError, KvopsPluginError
-from kvops.core.files import read_mapping
 from kvops.core.fp8.settings import KvScalesSettings
+from kvops.core.kinds import read_mapping_of_kind
 from kvops.core.offload.settings import OffloadSettings
 
 ADDITIONAL_CONFIG_KEY = "kvops"
@@ -86,7 +87,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             "server's working directory)"
         )
     try:
-        data = read_mapping(path)
+        data = read_mapping_of_kind(path, "", kinds.SETTINGS)
     except BadInputError as exc:  # the plugin's refusal to start carries the same line
         raise KvopsPluginError(str(exc)) from None
     if "config" in data:

@@ -12,8 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvops.core import kinds
 from kvops.core.errors import BadInputError
-from kvops.core.files import read_mapping
+from kvops.core.kinds import read_mapping_of_kind
 
 SCENARIOS: dict[str, str] = {
     "kv-exhaustion": "kv_exhaustion",
@@ -151,7 +152,7 @@ def default_file(name: str) -> Path:
 def load_config(name: str, path: Path | None = None, **overrides: Any) -> ScenarioConfig:
     """The scenario's file (its packaged default unless ``path``), with overrides applied."""
     source = path or default_file(name)
-    raw = read_mapping(Path(source), "scenario file")
+    raw = read_mapping_of_kind(Path(source), "scenario file", kinds.SCENARIO)
     raw.setdefault("scenario", name)
     if raw["scenario"] != name:
         raise BadInputError(f"scenario file {source} is for {raw['scenario']!r}, not {name!r}")

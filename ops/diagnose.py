@@ -12,8 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
+
+from kvops.core import kinds
 from kvops.core.errors import BadInputError, KvopsError
-from kvops.core.files import parse_json, read_text
+from kvops.core.kinds import read_json_of_kind
 from kvops.core.promql import IDENTITY_READS, answers_from_many
 from kvops.core.verdict import KV_USAGE_BOUND, Verdict, healthy
 
@@ -135,16 +138,38 @@ def _offload_verdicts(last: Any) -> list[Verdict]:
     return []
 
 
+class _ResultVerdict(BaseModel):
+    """One verdict as ``Verdict.to_dict`` wrote it into result.json."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    problem: StrictStr
+    cause: StrictStr
+    evidence: dict[str, Any] = {}
+    next: StrictStr = ""
+
+
+class _ResultVerdicts(BaseModel):
+    """The part of a `kvops loadtest` result.json diagnose reads (the rest is the report's)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    verdicts: list[_ResultVerdict]
+
+
 def verdicts_from_result(path: Path) -> list[Verdict]:
-    """The verdicts a `kvops loadtest` result JSON reached."""
-    label = f"result file {path}"
-    data = parse_json(read_text(Path(path), label), label)
-    if not isinstance(data, dict) or not isinstance(data.get("verdicts"), list):
-        raise BadInputError(f"result file {path} has no 'verdicts' list: pass a kvops loadtest result JSON")
+    """The verdicts a `kvops loadtest` result JSON reached; a field of the wrong type exits 2 naming it."""
+    label = f"--result {path}"
+    data = read_json_of_kind(Path(path), label, kinds.LOADTEST_RESULT)
     try:
-        return [Verdict.from_dict(v) for v in data["verdicts"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise BadInputError(f"result file {path}: malformed verdict ({exc})") from exc
+        result = _ResultVerdicts.model_validate(data)
+        return [Verdict(v.problem, v.cause, v.evidence, v.next) for v in result.verdicts]
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        raise BadInputError(f"{label}: {where}: {err['msg']}; pass the result.json of a kvops loadtest run") from None
+    except ValueError as exc:  # Verdict: a problem/cause pair this kvops does not know
+        raise BadInputError(f"{label}: {exc}; pass the result.json of a kvops loadtest run") from None
 
 
 def merge(live: list[Verdict], from_result: list[Verdict]) -> list[Verdict]:

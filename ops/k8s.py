@@ -11,17 +11,17 @@ from typing import Any
 
 import yaml
 
+from kvops.core import kinds
 from kvops.core.errors import BadInputError
-from kvops.core.files import parse_yaml, read_text
+from kvops.core.kinds import read_mapping_of_kind
 
 RULE_API = "monitoring.coreos.com/v1"
 _JOB = re.compile(r'up\{job="([^"]+)"\}')
 
 
 def load_alerts(path: Path) -> dict[str, Any]:
-    label = f"--alerts {path}"
-    data = parse_yaml(read_text(path, label), label)
-    if not isinstance(data, dict) or not isinstance(data.get("groups"), list):
+    data = read_mapping_of_kind(path, "--alerts", kinds.ALERTS)
+    if not isinstance(data.get("groups"), list):
         raise BadInputError(f"--alerts {path}: no 'groups' list: pass a Prometheus rule file")
     return data
 

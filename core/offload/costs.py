@@ -18,8 +18,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from kvops.core import kinds
 from kvops.core.errors import BadInputError
-from kvops.core.files import read_mapping
+from kvops.core.kinds import read_mapping_of_kind
 from kvops.core.offload.settings import TransferMode
 
 
@@ -60,7 +61,7 @@ BENCH_KEYS = ("l1_ttft_ratio", "disk_ttft_ratio", "miss_overhead_ratio")
 def read_bench_costs(path: Path, where: str = "--offload-costs") -> OffloadCosts:
     """The costs in a ``kvops bench offload --json`` document; a missing or non-numeric ratio
     or an unknown transfer mode exits 2 naming the file and the key."""
-    doc = read_mapping(path, where)
+    doc = read_mapping_of_kind(path, where, kinds.BENCH)
     mode = doc.get("transfer_mode")
     if mode not in MEASURED:
         raise BadInputError(f"{where} {path}: transfer_mode {mode!r} is not engine_driven or lmcache_driven; "

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from kvops.core import kinds
 from kvops.core.errors import BadInputError
-from kvops.core.files import read_mapping
 from kvops.core.kv_dtypes import SKIP_SLIDING_WINDOW, KvDtype, check_runs_on, kv_dtype
 from kvops.ops.capacity import gemma4
+from kvops.ops.capacity.config_fields import check_config
 from kvops.ops.capacity.constants import MAX_LAYERS, MODEL_DTYPE_BYTES
 from kvops.ops.capacity.gemma4 import is_gemma4
 from kvops.ops.capacity.indexer import (
@@ -87,7 +88,9 @@ def load_config(path: Path) -> dict[str, Any]:
     file = path / "config.json" if path.is_dir() else path
     if not file.exists():
         raise BadInputError(f"{file}: no such file; pass a config.json or a model directory")
-    return read_mapping(file)
+    raw = kinds.read_mapping_of_kind(file, "--model", kinds.MODEL_CONFIG)
+    check_config(raw, f"--model {file}")
+    return raw
 
 
 def text_config(raw: Mapping[str, Any]) -> dict[str, Any]:

@@ -44,6 +44,7 @@ def bench(
         raise BadInputError(f"--faults/--fault-seconds are for `kvops bench chaos`, not {name.value}")
     module = importlib.import_module(f"kvops.ops.bench.{name.value}")
     result: dict[str, Any] = module.run(**chaos) if name.value == "chaos" else module.run()
+    result = {"bench": name.value, **result}  # names its kind, so it is told apart from a plan (core/kinds.py)
     text = json.dumps(result, indent=None if json_out else 2, sort_keys=False)
     if out:
         with open(out, "w") as handle:

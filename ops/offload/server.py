@@ -16,8 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvops.core import kinds
 from kvops.core.errors import BadInputError, KvopsError, KvopsPluginError
-from kvops.core.files import read_mapping
+from kvops.core.kinds import read_mapping_of_kind
 from kvops.core.offload.settings import OffloadSettings
 from kvops.core.settings import parse_settings
 from kvops.ops.launch import ManagedServer
@@ -52,7 +53,7 @@ def load_offload_settings(config: Path | None, overrides: dict[str, Any]) -> Off
 
 
 def _offload_section(config: Path) -> dict[str, Any]:
-    data = read_mapping(config, "--config")
+    data = read_mapping_of_kind(config, "--config", kinds.SETTINGS)
     section = data.get("offload") or {}
     if not isinstance(section, dict):
         raise BadInputError(f"--config {config}: 'offload' must be a mapping")
