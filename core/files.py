@@ -65,6 +65,8 @@ def _parse(load: Callable[[str], object], text: str, label: str, kind: str) -> o
         raise BadInputError(f"{label}: not valid JSON ({exc})") from None
     except yaml.YAMLError as exc:
         raise BadInputError(f"{label}: not valid YAML ({' '.join(str(exc).split())})") from None
+    except ValueError as exc:  # an integer of more than sys.get_int_max_str_digits() digits
+        raise BadInputError(f"{label}: not valid {kind} ({str(exc).split(';')[0]})") from None
 
 
 def read_mapping(path: Path, what: str = "") -> dict[str, Any]:

@@ -18,8 +18,14 @@ from typing import Any
 
 from kvops.core.errors import BadInputError
 from kvops.core.files import read_text
+from kvops.core.kinds import TRACE, refuse_other_kind
 
 MOONCAKE_BLOCK_TOKENS = 512
+MAX_REQUEST_TOKENS = 2**31 - 1
+"""Past any model's context (the longest is ~10M tokens), and small enough that a million
+requests' lengths sum inside int64, where the statistics count them (a length of 10**30 once
+ended in "OverflowError: Python int too large to convert to C long")."""
+INT64_MAX = 2**63 - 1
 BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
 
 
@@ -47,6 +53,7 @@ def read_trace(path: Path) -> Trace:
     text = read_text(path, f"trace {path}")
     start = text.lstrip()[:1]
     if start == "{":
+        _refuse_other_kind(path, text)
         requests, fmt, has_ids = _mooncake(path, text), "mooncake", True
     elif start:
         requests, fmt, has_ids = _burstgpt(path, text), "burstgpt", False
@@ -58,15 +65,36 @@ def read_trace(path: Path) -> Trace:
     return Trace(path=path, format=fmt, requests=ordered, has_hash_ids=has_ids)
 
 
+def _refuse_other_kind(path: Path, text: str) -> None:
+    """A plan, config or calibration is one JSON document, not a trace: say which it is. A real
+    JSONL trace stops the whole-text parse at its second line ("Extra data")."""
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):
+        return
+    refuse_other_kind(doc, f"trace {path}", TRACE)
+
+
 def _bad(path: Path, line: int, what: str) -> BadInputError:
     return BadInputError(f"trace {path}, line {line}: {what}")
 
 
+def _finite(value: float) -> bool:
+    """math.isfinite, False for an integer too large for a float (it raises OverflowError)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _count(path: Path, line: int, row: dict[str, Any], key: str) -> int:
     value = row.get(key)
-    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value)
             or value < 0 or value != int(value)):
-        raise _bad(path, line, f"{key!r} must be a whole number >= 0, got {value!r}")
+        raise _bad(path, line, f"{key!r} must be a whole number >= 0, got {value!r:.40}")
+    if value > MAX_REQUEST_TOKENS:
+        raise _bad(path, line, f"{key!r} is beyond any model's context "
+                               f"(at most {MAX_REQUEST_TOKENS:,}): give the right trace")
     return int(value)
 
 
@@ -74,7 +102,7 @@ def _mooncake(path: Path, text: str) -> list[TraceRequest]:
     lines = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
     try:  # one parse for the whole file is 3x faster than one per line
         rows = json.loads("[" + ",".join(line for _, line in lines) + "]")
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # JSONDecodeError, or an integer of over 4,300 digits
         rows = []
     if len(rows) != len(lines):  # a line with two values (`{...}, {...}`) or none: per line
         rows = [_json_line(path, number, line) for number, line in lines]
@@ -91,6 +119,8 @@ def _json_line(path: Path, number: int, line: str) -> Any:
         raise _bad(path, number, f"not JSON ({exc.msg})") from exc
     except RecursionError:
         raise _bad(path, number, "nested too deeply to be a trace line") from None
+    except ValueError as exc:  # an integer past sys.get_int_max_str_digits()
+        raise _bad(path, number, f"not JSON ({str(exc).split(';')[0]})") from None
 
 
 def _mooncake_row(path: Path, number: int, row: Any) -> TraceRequest:
@@ -98,11 +128,11 @@ def _mooncake_row(path: Path, number: int, row: Any) -> TraceRequest:
         raise _bad(path, number, "expected a JSON object with timestamp, input_length, "
                                  "output_length, hash_ids")
     stamp = row.get("timestamp")
-    if isinstance(stamp, bool) or not isinstance(stamp, int | float) or not math.isfinite(stamp):
-        raise _bad(path, number, f"'timestamp' (ms) must be a finite number, got {stamp!r}")
+    if isinstance(stamp, bool) or not isinstance(stamp, int | float) or not _finite(stamp):
+        raise _bad(path, number, f"'timestamp' (ms) must be a finite number, got {stamp!r:.40}")
     ids = row.get("hash_ids")
-    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
-        raise _bad(path, number, "'hash_ids' must be a list of integers")
+    if not isinstance(ids, list) or not all(type(i) is int and abs(i) <= INT64_MAX for i in ids):
+        raise _bad(path, number, "'hash_ids' must be a list of integers that fit in int64")
     return TraceRequest(float(stamp) / 1000.0, _count(path, number, row, "input_length"),
                         _count(path, number, row, "output_length"), tuple(ids))
 
@@ -131,7 +161,8 @@ def _burstgpt_rows(path: Path, text: str) -> list[TraceRequest]:
                                      f"numbers ({exc})") from exc
         if not math.isfinite(stamp):
             raise _bad(path, number, f"Timestamp must be a finite number, got {stamp}")
-        if any(not math.isfinite(t) or t < 0 or t != int(t) for t in tokens):
-            raise _bad(path, number, "Request tokens and Response tokens must be whole numbers >= 0")
+        if any(not math.isfinite(t) or t < 0 or t != int(t) or t > MAX_REQUEST_TOKENS for t in tokens):
+            raise _bad(path, number, "Request tokens and Response tokens must be whole numbers from 0 "
+                                     f"to {MAX_REQUEST_TOKENS:,}")
         out.append(TraceRequest(stamp, int(tokens[0]), int(tokens[1])))
     return out

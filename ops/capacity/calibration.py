@@ -20,8 +20,9 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvops.core import kinds
 from kvops.core.errors import BadInputError
-from kvops.core.files import parse_json, read_text
+from kvops.core.kinds import read_json_of_kind
 from kvops.core.plan import Expectation
 from kvops.ops.capacity.constants import GIB
 
@@ -66,14 +67,14 @@ class Calibration(BaseModel):
     gpu_memory_utilization: float = Field(gt=0, le=1)
     requested_gib: float = Field(gt=0, le=MAX_GIB)
     available_kv_gib: float = Field(ge=0, le=MAX_GIB)
-    non_kv_gib: float = Field(ge=-MAX_GIB, le=MAX_GIB)
+    non_kv_gib: float = Field(ge=0, le=MAX_GIB)
     """requested − available KV: everything the server kept for itself."""
     includes_weights: bool
     """True when non_kv_gib is one lump that includes the weights (CPU: the worker's RSS)."""
-    weights_gib: float | None = Field(None, ge=-MAX_GIB, le=MAX_GIB)
-    activation_gib: float | None = Field(None, ge=-MAX_GIB, le=MAX_GIB)
-    non_torch_gib: float | None = Field(None, ge=-MAX_GIB, le=MAX_GIB)
-    cudagraph_gib: float | None = Field(None, ge=-MAX_GIB, le=MAX_GIB)
+    weights_gib: float | None = Field(None, ge=0, le=MAX_GIB)
+    activation_gib: float | None = Field(None, ge=0, le=MAX_GIB)
+    non_torch_gib: float | None = Field(None, ge=0, le=MAX_GIB)
+    cudagraph_gib: float | None = Field(None, ge=0, le=MAX_GIB)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     """The server's; the activation peak is rescaled from it when a plan batches differently."""
     precision_gib: float = LOG_PRECISION_GIB
@@ -128,8 +129,9 @@ def calibration_from_log(text: str, source: str) -> Calibration:
     engine = _engine_fields(text)
     terms = _cpu_terms(text) if engine["device"] == "cpu" else _gpu_terms(text)
     mnbt = _MNBT.search(text)
-    return Calibration.model_validate({**engine, **terms, "source": source,
-                                       "max_num_batched_tokens": int(mnbt[1]) if mnbt else None})
+    return _validated({**engine, **terms, "source": source,
+                       "max_num_batched_tokens": int(mnbt[1]) if mnbt else None},
+                      f"log {source}", "its figures cannot be a server's; pass the server's own startup log")
 
 
 def calibration_from_metrics(
@@ -155,7 +157,7 @@ def calibration_from_metrics(
         raise BadInputError("cannot calibrate from these metrics and this plan: missing 'bytes_per_block'")
     requested = math.ceil(total * GIB * util)  # v1/worker/utils.py:724-726, cpu_worker.py:74
     available = blocks * block_bytes + block_bytes / 2  # floor(available / bytes_per_block) = blocks
-    return Calibration.model_validate({
+    return _validated({
         "vllm_version": version, "device": doc.device or "cuda", "model": model,
         "tensor_parallel_size": doc.tensor_parallel_size or 1,
         "pipeline_parallel_size": doc.pipeline_parallel_size or 1,
@@ -163,7 +165,8 @@ def calibration_from_metrics(
         "gpu_memory_utilization": util, "requested_gib": requested / GIB, "available_kv_gib": available / GIB,
         "non_kv_gib": (requested - available) / GIB, "includes_weights": True,
         "precision_gib": block_bytes / 2 / GIB, "source": source,
-        "max_num_batched_tokens": doc.max_num_batched_tokens})
+        "max_num_batched_tokens": doc.max_num_batched_tokens},
+        f"the server at {source} and this plan", "check that --expect is the plan this server was started from")
 
 
 def measured_from_log(text: str, source: str, *, required: bool) -> Calibration | None:
@@ -187,10 +190,16 @@ def write_calibration(calibration: Calibration, path: Path) -> None:
 def load_calibration(path: Path) -> Calibration:
     """A calibration file written by ``kvops verify --calibration-out``; anything else exits 2."""
     label = f"--calibration {path}"
-    raw = parse_json(read_text(path, label), label)
+    raw = read_json_of_kind(path, label, kinds.CALIBRATION)
+    return _validated(raw, label, "write it again with `kvops verify --log FILE --calibration-out CAL`")
+
+
+def _validated(fields: object, label: str, remedy: str) -> Calibration:
+    """A Calibration, or one line naming the field: a negative, NaN or infinite term (memory a
+    server kept cannot be below zero) would plan more KV than the device holds."""
     try:
-        return Calibration.model_validate(raw)
+        return Calibration.model_validate(fields)
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        raise BadInputError(f"--calibration {path}: {where}: {err['msg']}") from None
+        raise BadInputError(f"{label}: {where}: {err['msg']}; {remedy}") from None
