@@ -20,8 +20,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from kvops.core import kinds
 from kvops.core.errors import BadInputError
 from kvops.core.files import read_mapping
+from kvops.core.kinds import read_json_of_kind
 from kvops.core.kv_dtypes import (
     Fp8Format as Fp8Format,  # re-exported: the scales file names its format
 )
@@ -225,10 +227,7 @@ def load_scales_file(path: Path) -> ScalesFile:
     """Read and validate a scales file; every problem is one line naming the file and field."""
     if not path.is_file():
         raise BadInputError(f"kv_scales file {str(path)!r} not found: run `kvops calibrate` or fix the path")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise BadInputError(f"kv_scales file {path}: not valid JSON ({exc})") from None
+    raw = read_json_of_kind(path, f"kv_scales file {path}", kinds.SCALES)  # a plan or config: named
     try:
         scales = ScalesFile.model_validate(raw)
     except ValidationError as exc:

@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 from test_capacity_plan import GPU_LOG
 
 from kvops.core import kinds
+from kvops.core.errors import BadInputError
+from kvops.core.fp8.scales import load_scales_file
 
 MODEL_CONFIGS_DIR = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "model-configs"
 LLAMA_8B = MODEL_CONFIGS_DIR / "meta-llama--Meta-Llama-3.1-8B.json"
@@ -313,3 +315,30 @@ def test_negative_or_non_finite_calibration_terms_are_refused(tmp_path_factory: 
     run = _run("plan --calibration", path, files)
     assert_refused(run)
     assert term in run.err
+
+
+# --- the fp8 scales file (read by the plugin's kv_scales setting and kvops fp8 check --scales) --
+
+
+@pytest.mark.parametrize("kind", [k for k in KIND_NAMES if k != "scales"])
+def test_scales_reader_names_a_file_of_another_kind(files: dict[str, Path], kind: str) -> None:
+    with pytest.raises(BadInputError) as caught:
+        load_scales_file(files[kind])
+    message = str(caught.value)
+    assert "\n" not in message
+    if kind not in YAML_KINDS:
+        assert f"this is {KIND_NAMES[kind]}, not {kinds.SCALES}" in message, message
+
+
+@FEW
+@given(data=st.data())
+def test_scales_fields_of_another_type(tmp_path_factory: pytest.TempPathFactory, files: dict[str, Path],
+                                       data: st.DataObject) -> None:
+    """Loaded as written, or one BadInputError: no other exception reaches the plugin."""
+    path, _ = _mutated(files, "scales", data, tmp_path_factory.mktemp("s"))
+    message = ""
+    try:
+        load_scales_file(path)
+    except BadInputError as exc:
+        message = str(exc)
+    assert "\n" not in message
