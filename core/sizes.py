@@ -20,6 +20,8 @@ _VLLM = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _BYTES = re.compile(r"(\d+(?:\.\d+)?)\s*([kKMGT]i?B)")
+INT64_MAX = 2**63 - 1
+"""vLLM keeps sizes and token counts in int64 tensors and C longs: a larger one is no size."""
 _BYTE_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": GIB, "TiB": 2**40,
                "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
@@ -31,7 +33,7 @@ def vllm_int(text: str) -> int:
     if match:
         number, suffix = match.groups()
         if suffix in _DECIMAL:
-            return int(float(number) * _DECIMAL[suffix])
+            return int(float(number) * _DECIMAL[suffix])  # OverflowError past 1e308: the callers' "too large"
         if "." in number:
             raise ValueError(f"decimals are not allowed with the binary suffix {suffix} "
                              f"(vllm serve refuses it too): did you mean {number}{suffix.lower()}?")
@@ -45,6 +47,8 @@ def parse_tokens(text: str | int, flag: str) -> int:
         return text
     try:
         value = vllm_int(text)
+    except OverflowError:
+        raise _too_large(text, flag) from None
     except ValueError as exc:
         raise BadInputError(f"{flag} {text!r}: {_why(exc)}; write e.g. 32768, 32k (32,000) "
                             "or 32K (32,768) as vllm serve reads them") from exc
@@ -60,9 +64,14 @@ def parse_bytes(text: str | int, flag: str) -> int:
     if match:
         number, unit = match.groups()
         if unit in _BYTE_UNITS:
-            return _positive(int(float(number) * _BYTE_UNITS[unit]), text, flag)
+            scaled = float(number) * _BYTE_UNITS[unit]
+            if not scaled <= INT64_MAX:  # inf past 1e308 too
+                raise _too_large(text, flag)
+            return _positive(int(scaled), text, flag)
     try:
         value = vllm_int(text)
+    except OverflowError:
+        raise _too_large(text, flag) from None
     except ValueError as exc:
         raise BadInputError(f"{flag} {text!r}: {_why(exc)}; write e.g. 8589934592, 8G or 8GiB "
                             "(2**30 each), 8g or 8GB (10**9 each), 3.52GiB as vLLM logs print it") from exc
@@ -74,7 +83,14 @@ def _why(exc: ValueError) -> str:
     return message if message.startswith("decimals") else "not a number"
 
 
+def _too_large(text: str | int, flag: str) -> BadInputError:
+    shown = f"{text!r:.40}" + ("..." if len(repr(text)) > 40 else "")
+    return BadInputError(f"{flag} {shown}: larger than int64 ({INT64_MAX:,}), so no size vLLM can hold")
+
+
 def _positive(value: int, text: str | int, flag: str) -> int:
     if value <= 0:
-        raise BadInputError(f"{flag} {text!r}: must be positive")
+        raise BadInputError(f"{flag} {text!r:.40}: must be positive")
+    if value > INT64_MAX:
+        raise _too_large(text, flag)
     return value

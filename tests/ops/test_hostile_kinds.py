@@ -342,3 +342,18 @@ def test_scales_fields_of_another_type(tmp_path_factory: pytest.TempPathFactory,
     except BadInputError as exc:
         message = str(exc)
     assert "\n" not in message
+
+
+# --- sizes on the command line past any integer ----------------------------------------------------
+
+
+@FEW
+@given(flag=st.sampled_from(["--max-model-len", "--kv-cache-memory-bytes", "--max-num-batched-tokens"]),
+       value=st.sampled_from(["9" * 400 + "k", "9" * 400 + "GiB", "1" + "0" * 30, str(2**63), "1" + "0" * 400 + ".5t"]))
+def test_command_line_sizes_past_int64(flag: str, value: str) -> None:
+    """A decimal suffix on 400 digits once ended in 'OverflowError: cannot convert float infinity to
+    integer'; 10**35 bytes once planned 7.6e29 tokens of KV."""
+    args = {"--max-model-len": "4096", "--kv-cache-memory-bytes": "8G", flag: value}
+    run = kvops("kv-capacity", "--model", str(LLAMA_8B), *[part for pair in args.items() for part in pair])
+    assert_refused(run)
+    assert flag in run.err
