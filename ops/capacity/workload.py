@@ -12,11 +12,13 @@ optionally ``count`` (a histogram: that many requests of that length).
 from __future__ import annotations
 
 import csv
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvops.core.errors import BadInputError
 from kvops.core.files import read_text
+from kvops.core.kinds import recognise, recognise_text
 from kvops.core.stats import nearest_rank
 
 NAMED_QUANTILES = {"p50": 0.50, "p90": 0.90, "p95": 0.95, "p99": 0.99}
@@ -103,11 +105,27 @@ def from_file(path: Path, max_model_len: int) -> Workload:
 
 def _rows(path: Path) -> list[tuple[int, int, int]]:
     """(line number, prompt+output tokens, count) per data line."""
-    lines = read_text(path, f"--lengths-file {path}").splitlines()
+    text = read_text(path, f"--lengths-file {path}")
+    _refuse_other_kind(path, text)
+    lines = text.splitlines()
     try:
         return _parse_rows(path, lines)
     except csv.Error as exc:  # e.g. a field over csv's size limit
         raise BadInputError(f"--lengths-file {path}: not a CSV of lengths ({exc})") from None
+
+
+def _refuse_other_kind(path: Path, text: str) -> None:
+    """A plan, config or trace is no lengths file: say which it is (its first line would be
+    printed whole as a header with no 'tokens' column)."""
+    kind = recognise_text(text)
+    if kind is None and text.lstrip().startswith("{"):
+        try:
+            kind = recognise(json.loads(text))
+        except (ValueError, RecursionError):
+            kind = None
+    if kind is not None:
+        raise BadInputError(f"--lengths-file {path}: this is {kind}, not a lengths file (one request's tokens "
+                            "a line, or a CSV with a tokens or prompt_tokens,output_tokens header)")
 
 
 def _parse_rows(path: Path, lines: list[str]) -> list[tuple[int, int, int]]:
@@ -149,5 +167,5 @@ def _columns(path: Path, header: list[str]) -> tuple[list[int], int | None]:
         return [tokens], count
     if prompt is not None and output is not None:
         return [prompt, output], count
-    raise BadInputError(f"{path}: header {','.join(header)!r} needs a 'tokens' column or "
+    raise BadInputError(f"{path}: header {','.join(header)[:80]!r} needs a 'tokens' column or "
                         "'prompt_tokens' and 'output_tokens' (optionally 'count')")

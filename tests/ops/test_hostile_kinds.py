@@ -62,7 +62,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
            "calibration": tmp / "cal.json", "result": tmp / "result.json", "trace": tmp / "trace.jsonl",
            "burstgpt": tmp / "burstgpt.csv", "scales": tmp / "scales.json", "settings": tmp / "kvops.yaml",
            "bench": tmp / "bench.json", "alerts": tmp / "alerts.yaml", "scenario": tmp / "prefix_miss.yaml",
-           "log": log, "out": tmp / "k8s"}
+           "log": log, "out": tmp / "k8s", "lengths": tmp / "lengths.csv"}
+    out["lengths"].write_text("prompt_tokens,output_tokens\n600,20\n3000,200\n")
     out["config"].write_text(LLAMA_8B.read_text())
     out["plan"].write_text(json.dumps(_json_out("plan", "--model", str(LLAMA_8B), *PLAN_ARGS, "--json")))
     out["kv-capacity"].write_text(json.dumps(_json_out(
@@ -91,6 +92,7 @@ READERS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "diagnose --result": (["diagnose", "--url", DEAD, "--result", "{f}"], ("result",)),
     "trace stats": (["trace", "stats", "{f}"], ("trace", "burstgpt")),
     "plan --trace": (["plan", "--model", str(LLAMA_8B), *PLAN_ARGS, "--trace", "{f}"], ("trace", "burstgpt")),
+    "plan --lengths-file": (["plan", "--model", str(LLAMA_8B), *PLAN_ARGS, "--lengths-file", "{f}"], ("lengths",)),
     "offload status --config": (["offload", "status", "--config", "{f}", "--timeout", "0.5"], ("settings",)),
     "alerts k8s --alerts": (["alerts", "k8s", "--alerts", "{f}", "--out-dir", "{out}"], ("alerts",)),
     "loadtest --scenario-file": (["loadtest", "prefix-miss", "--url", DEAD, "--scenario-file", "{f}", "--out",
@@ -105,7 +107,8 @@ YAML_KINDS = ("settings", "alerts", "scenario")  # no JSON, nor a CSV trace: ref
 # loadtest: the scenario is read, then the dead server or the unwritable --out ends it
 ANSWERS = {"verify --expect": (0, 3), "diagnose --result": (1,), "offload status --config": (0, 1),
            "loadtest --scenario-file": (1, 2)}
-JSON_READERS = ("verify --expect", "plan --calibration", "diagnose --result")
+NOT_YAML_READERS = ("verify --expect", "plan --calibration", "diagnose --result", "trace stats", "plan --trace",
+                    "plan --lengths-file")
 
 
 def _run(reader: str, path: Path, files: dict[str, Path]) -> Run:
@@ -130,12 +133,13 @@ CROSS = [(reader, kind) for reader, (_, takes) in READERS.items() for kind in KI
 @pytest.mark.parametrize(("reader", "kind"), CROSS)
 def test_a_file_of_another_kind_is_named(files: dict[str, Path], reader: str, kind: str) -> None:
     """A model config passed as --expect once "equalled the plan"; now each reader says what it got.
-    A YAML file is no JSON to the JSON readers, nor a CSV trace: it is refused unnamed there."""
+    A YAML file is no JSON, CSV trace or lengths file to those readers: refused unnamed there."""
     run = _run(reader, files[kind], files)
     assert_refused(run)
-    if not (kind in YAML_KINDS and (reader in JSON_READERS or "trace" in reader)):
+    if not (kind in YAML_KINDS and reader in NOT_YAML_READERS):
         assert f"this is {KIND_NAMES[kind]}" in run.err, run.err
-        assert f"not {KIND_NAMES[READERS[reader][1][0]]}" in run.err, run.err
+        expected = READERS[reader][1][0]
+        assert f"not {KIND_NAMES.get(expected, 'a lengths file')}" in run.err, run.err
 
 
 def test_model_config_as_expect_is_not_the_plan(files: dict[str, Path]) -> None:
