@@ -77,10 +77,21 @@ class _StubModule(types.ModuleType):
         return _Dummy
 
 
+def _with_stub_flashinfer(load: Any) -> Any:
+    """Run ``load`` with the stand-in flashinfer importable, then take it away again (other tests
+    look at sys.meta_path and at whether flashinfer imports); the loaded classes stay cached."""
+    finder = _StubFinder()
+    sys.meta_path.append(finder)  # after the real finders: a real flashinfer wins
+    try:
+        return load()
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n, m in sys.modules.items() if isinstance(m, _StubModule)]:
+            del sys.modules[name]
+
+
 class DtypeOracle:
     def __init__(self, base: Oracle) -> None:
-        if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
-            sys.meta_path.append(_StubFinder())  # after the real finders: a real flashinfer wins
         from vllm.model_executor.layers.attention.attention import Attention
         from vllm.model_executor.layers.attention.mla_attention import MLAAttention
         from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
@@ -94,6 +105,8 @@ class DtypeOracle:
         self.tq, self.layer_index, self.to_torch = TurboQuantConfig, extract_layer_index, kv_cache_dtype_str_to_dtype
         self.decoder, self.customize = AttentionType.DECODER, customize_attention_spec
         self.enum = AttentionBackendEnum
+        self.flashinfer = _with_stub_flashinfer(lambda: [AttentionBackendEnum[name].get_class()
+                                                         for name in ("FLASHINFER", "FLASHINFER_MLA")])
 
     def backend(self, device: str, use_mla: bool, dtype: str) -> Any:
         """The first backend of the device's priority list whose class lists the dtype, or None."""
