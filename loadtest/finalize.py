@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvops.core.errors import EXIT_CHECK_FAILED, EXIT_OK, BadInputError, KvopsError
+from kvops.core.errors import EXIT_CHECK_FAILED, EXIT_OK, KvopsError
 from kvops.core.prom import MetricsSample, delta, hist_mean
 from kvops.core.stats import mean, percentile
 from kvops.core.trace.replay import Replay
@@ -19,6 +19,7 @@ from kvops.core.verdict import Verdict
 from kvops.loadtest.analysis import kv, prefix, replay, ttft
 from kvops.loadtest.analysis.fleet import name_replicas
 from kvops.loadtest.analysis.tokens import ServerTokenizer
+from kvops.loadtest.baseline import load_baseline
 from kvops.loadtest.config import (
     KvExhaustionConfig,
     PrefixMissConfig,
@@ -98,20 +99,6 @@ def client_summary(records: list[RequestRecord], samples: list[MetricsSample]) -
 
 def _diff_ms(a: float | None, b: float | None) -> float | None:
     return round((a - b) * 1000, 2) if a is not None and b is not None else None
-
-
-def load_baseline(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise BadInputError(f"cannot read baseline {path}: {exc.strerror}") from exc
-    except json.JSONDecodeError as exc:
-        raise BadInputError(f"baseline {path} is not JSON: {exc.msg}") from exc
-    if data.get("scenario") != "ttft-regression" or "ttft" not in data:
-        raise BadInputError(f"baseline {path} is not a ttft-regression result: run "
-                            "`kvops loadtest ttft-regression --url URL --json` and pass its JSON report")
-    summary: dict[str, Any] = data["ttft"]["summary"]
-    return summary
 
 
 def analyse(run: Run) -> tuple[dict[str, Any], list[Verdict], int]:

@@ -161,6 +161,8 @@ def verdicts_from_result(path: Path) -> list[Verdict]:
     """The verdicts a `kvops loadtest` result JSON reached; a field of the wrong type exits 2 naming it."""
     label = f"--result {path}"
     data = read_json_of_kind(Path(path), label, kinds.LOADTEST_RESULT)
+    if not isinstance(data, dict) or not isinstance(data.get("verdicts"), list):
+        raise BadInputError(f"{label}: no 'verdicts' list: pass the result.json of a kvops loadtest run")
     try:
         result = _ResultVerdicts.model_validate(data)
         return [Verdict(v.problem, v.cause, v.evidence, v.next) for v in result.verdicts]

@@ -36,7 +36,9 @@ PLAN_ARGS = ["--max-model-len", "4096", "--gpu", "H100"]
 
 _TRACE_ROWS = [{"timestamp": i * 100, "input_length": 600 + i, "output_length": 20, "hash_ids": [1, 2 + i]}
                for i in range(4)]
-_RESULT = {"schema": "kvops.loadtest.result/1", "scenario": "prefix-miss",
+_RESULT = {"schema": "kvops.loadtest.result/1", "scenario": "ttft-regression",
+           "ttft": {"summary": {"ttft_p50_s": 0.2, "samples": {"ttft_s": [0.2, 0.3], "itl_mean_s": [0.01, 0.02]},
+                                "intervals": {"queue": [[0.5, 2], [0.7, 3]]}, "server_means_s": {"queue": 0.24}}},
            "verdicts": [{"problem": "healthy", "cause": "none", "evidence": {"kv_usage": 0.1},
                          "next": "nothing to do"}]}
 _SCALES = {"format_version": 1, "dtype": "fp8_e4m3", "margin": 1.25,
@@ -93,6 +95,8 @@ READERS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "trace stats": (["trace", "stats", "{f}"], ("trace", "burstgpt")),
     "plan --trace": (["plan", "--model", str(LLAMA_8B), *PLAN_ARGS, "--trace", "{f}"], ("trace", "burstgpt")),
     "plan --lengths-file": (["plan", "--model", str(LLAMA_8B), *PLAN_ARGS, "--lengths-file", "{f}"], ("lengths",)),
+    "loadtest --baseline": (["loadtest", "ttft-regression", "--url", DEAD, "--baseline", "{f}", "--out",
+                             "/nonexistent-dir/lt", "--timeout", "0.5"], ("result",)),
     "offload status --config": (["offload", "status", "--config", "{f}", "--timeout", "0.5"], ("settings",)),
     "alerts k8s --alerts": (["alerts", "k8s", "--alerts", "{f}", "--out-dir", "{out}"], ("alerts",)),
     "loadtest --scenario-file": (["loadtest", "prefix-miss", "--url", DEAD, "--scenario-file", "{f}", "--out",
@@ -106,9 +110,9 @@ YAML_KINDS = ("settings", "alerts", "scenario")  # no JSON, nor a CSV trace: ref
 # 3: the log differs from the plan; 1: the peer is dead (or, for LMCache's port, maybe alive);
 # loadtest: the scenario is read, then the dead server or the unwritable --out ends it
 ANSWERS = {"verify --expect": (0, 3), "diagnose --result": (1,), "offload status --config": (0, 1),
-           "loadtest --scenario-file": (1, 2)}
+           "loadtest --scenario-file": (1, 2), "loadtest --baseline": (1, 2)}
 NOT_YAML_READERS = ("verify --expect", "plan --calibration", "diagnose --result", "trace stats", "plan --trace",
-                    "plan --lengths-file")
+                    "plan --lengths-file", "loadtest --baseline")
 
 
 def _run(reader: str, path: Path, files: dict[str, Path]) -> Run:
@@ -246,6 +250,27 @@ def test_result_fields_of_another_type(tmp_path_factory: pytest.TempPathFactory,
                                        data: st.DataObject) -> None:
     path, _ = _mutated(files, "result", data, tmp_path_factory.mktemp("r"))
     _refused_or_answered(_run("diagnose --result", path, files), ANSWERS["diagnose --result"])
+
+
+@FEW
+@given(data=st.data())
+def test_baseline_fields_of_another_type(tmp_path_factory: pytest.TempPathFactory, files: dict[str, Path],
+                                         data: st.DataObject) -> None:
+    """compare() indexed these after the whole run: a TypeError at the end, now one line at the start."""
+    path, _ = _mutated(files, "result", data, tmp_path_factory.mktemp("b"))
+    _refused_or_answered(_run("loadtest --baseline", path, files), ANSWERS["loadtest --baseline"])
+
+
+@pytest.mark.parametrize(("where", "value"), [("samples", []), ("intervals", {"queue": [[1]]}),
+                                              ("samples", {"ttft_s": ["0.2"]}), ("intervals", "x")])
+def test_a_baseline_of_the_wrong_shape_is_refused_before_the_run(tmp_path: Path, where: str, value: object) -> None:
+    doc = json.loads(json.dumps(_RESULT))
+    doc["ttft"]["summary"][where] = value
+    (tmp_path / "b.json").write_text(json.dumps(doc))
+    run = kvops("loadtest", "ttft-regression", "--url", DEAD, "--baseline", str(tmp_path / "b.json"),
+                "--out", str(tmp_path / "lt"), "--timeout", "0.5")
+    assert_refused(run)
+    assert f"ttft.summary.{where}" in run.err
 
 
 @FEW
