@@ -23,6 +23,7 @@ from kvops.core.promql import DEFAULT_SELECTOR, Prometheus, answers_from_many, c
 from kvops.loadtest.analysis.kv import load_expectation
 from kvops.loadtest.analysis.replay import planned_seconds
 from kvops.loadtest.analysis.tokens import served_model
+from kvops.loadtest.baseline import load_baseline
 from kvops.loadtest.config import (
     HERE,
     SCENARIOS,
@@ -30,7 +31,6 @@ from kvops.loadtest.config import (
     TraceReplayConfig,
     load_config,
 )
-from kvops.loadtest.finalize import load_baseline
 from kvops.loadtest.hooks.progress import PREFIX as PROGRESS_PREFIX
 from kvops.loadtest.scenarios.workloads import load_dataset
 
