@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MODEL_CONFIGS_DIR
 
-LLAMA_8B = MODEL_CONFIGS_DIR / "meta-llama--Meta-Llama-3.1-8B.json"
+LLAMA_8B = Path(__file__).parents[2] / "../shared/fixtures/model-configs/meta-llama--Meta-Llama-3.1-8B.json"
 KVOPS = [str(Path(sys.executable).with_name("kvops"))]  # the console script an operator runs
 LONG_OUTPUTS = {
     "plan": ["plan", "--config", str(LLAMA_8B), "--gpu", "H100", "--max-model-len", "8192"],

@@ -68,7 +68,7 @@ def hook_points(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, object]]:
     before = _snapshot()
     yield before
     platform_cls.check_and_update_config = config_hook
-    attention = sys.modules.get(_compat.ATTENTION_MODULE)
+    attention = sys.modules.get(REAL_ATTENTION_MODULE)
     if before["attention"] is not None and attention is not None:
         attention.Attention.process_weights_after_loading = before["attention"]
     KVConnectorFactory._registry.pop(CONNECTOR_NAME, None)
@@ -79,12 +79,17 @@ def hook_points(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, object]]:
     plugin.reset_for_tests()
 
 
+# The real module's name, read once: a test that simulates a moved module patches
+# _compat.ATTENTION_MODULE, and the snapshot must still look where the hook would have gone.
+REAL_ATTENTION_MODULE = _compat.ATTENTION_MODULE
+
+
 def _snapshot() -> dict[str, object]:
     """The hook points as objects (compared by identity) and the connector registry's names."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.platforms import current_platform
 
-    attention = sys.modules.get(_compat.ATTENTION_MODULE)
+    attention = sys.modules.get(REAL_ATTENTION_MODULE)
     return {
         "config_hook": type(current_platform).__dict__["check_and_update_config"],
         "connectors": sorted(KVConnectorFactory._registry),
