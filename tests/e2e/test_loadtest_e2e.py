@@ -174,17 +174,23 @@ def test_kv_exhaustion_healthy_server(healthy, tmp_path):
     assert verdict["evidence"]["max_users_tested"] == 4
     assert "without --users" in verdict["next"]
     assert all(s["classification"] == "ok" for s in result["steps"])
-    # the default ramp in 20 s is 1, 2, 4, 8 users against a cache that holds hundreds: it
-    # never reached the limit, so it says so instead of healthy (issue 18)
-    _, result = loadtest(tmp_path, "kv-exhaustion", healthy.url, "--duration", "20")
+    # a sized ramp that the scenario's max_users stops at 8 against a cache that holds
+    # hundreds: it never reached the limit, so it says so instead of healthy (issue 18), and
+    # asks for more users than it ran, past the cap (issue 41: never the same run again)
+    capped = tmp_path / "capped.yaml"
+    capped.write_text("max_users: 8\n")
+    _, result = loadtest(tmp_path, "kv-exhaustion", healthy.url, "--duration", "20",
+                         "--scenario-file", str(capped))
     (verdict,) = result["verdicts"]
     assert (verdict["problem"], verdict["cause"]) == ("inconclusive", "limit-not-reached"), verdict
     ev = verdict["evidence"]
     assert [s["users"] for s in result["steps"]] == [1, 2, 4, 8]
-    assert ev["ramp"]["predicted_knee_users"] > 8
+    knee = ev["ramp"]["predicted_knee_users"]
+    assert knee > 8
     assert ev["ramp"]["covers_twice_the_knee"] is False
     assert 0 < ev["kv_usage_max_reached"] < 0.5
-    assert "--duration" in verdict["next"]
+    assert "max_users 8" in verdict["next"]
+    assert f"--users {2 * knee} " in verdict["next"]
 
 
 @pytest.fixture  # per test: the pool restarts it if another server evicted it
