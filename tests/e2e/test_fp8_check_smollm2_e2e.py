@@ -40,11 +40,11 @@ def test_check_on_smollm2(smollm2_model: Path, tmp_path: Path) -> None:
         layers={f"model.layers.{i}.self_attn.attn": LayerScales(k_scale=k, v_scale=v)
                 for i, (k, v) in enumerate(scales)})
     (tmp_path / "scales.json").write_text(scales_file.model_dump_json())
-    (tmp_path / "prompts.txt").write_text("\n".join(passages[6:10]) + "\n")  # held out
+    (tmp_path / "prompts.txt").write_text("\n".join(passages[6:9]) + "\n")  # held out
     proc = subprocess.run(  # noqa: S603 - our own CLI
         [str(Path(sys.executable).parent / "kvops"), "fp8", "check", "--model", str(smollm2_model),
          "--prompts", str(tmp_path / "prompts.txt"), "--scales", str(tmp_path / "scales.json"),
-         "--max-tokens", "96", "--json"],
+         "--max-tokens", "64", "--json"],
         capture_output=True, text=True, timeout=1200, check=False)
     assert proc.returncode in (0, 3), proc.stderr
     result = json.loads(proc.stdout)

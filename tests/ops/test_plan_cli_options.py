@@ -80,8 +80,9 @@ def walk(command: object, path: str = "") -> list[tuple[str, typer.core.TyperOpt
 # shared aliases landed: convert them to kvops.ops.cli.options, then drop them from this set.
 PENDING: set[str] = set()
 # Same spelling, another meaning: offload status --url is LMCache's HTTP API, offload --config a
-# kvops.yaml, a load test's --model the served model name (as in the OpenAI API).
-OTHER_MEANING = {("calibrate", "--model"), ("diagnose", "--url"), ("offload status", "--url"), ("offload status", "--config"), ("offload serve", "--config")} | {
+# kvops.yaml, a load test's --model the served model name (as in the OpenAI API); calibrate's and
+# fp8 check's --model a model directory with its weights (they run it), not a config to size.
+OTHER_MEANING = {("calibrate", "--model"), ("fp8 check", "--model"), ("diagnose", "--url"), ("offload status", "--url"), ("offload status", "--config"), ("offload serve", "--config")} | {
     (f"loadtest {scenario}", "--model") for scenario in ("kv-exhaustion", "prefix-miss", "ttft-regression", "trace-replay")}
 
 
