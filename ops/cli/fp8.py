@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from kvops.core.errors import EXIT_CHECK_FAILED, BadInputError
+from kvops.ops.cli.options import JsonOut
 
 
 def register(app: typer.Typer) -> None:
@@ -26,7 +27,7 @@ def check(
     threshold: Annotated[float, typer.Option(help="Safe when the perplexity ratio to bf16 KV is at most this.")] = 1.005,
     max_tokens: Annotated[int, typer.Option(help="Tokens scored per prompt (longer prompts are cut).")] = 256,
     greedy_tokens: Annotated[int, typer.Option(help="Greedy tokens generated per prompt to compare (0: none).")] = 0,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    json_out: JsonOut = False,
 ) -> None:
     """Run bf16 KV, fp8 at scale 1.0, calibrated fp8 (and advised skip layers) offline; exit 3 when not safe."""
     from kvops.core.fp8.scales import load_scales_file
