@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+import yaml
+
 from kvops.core.errors import BadInputError
 from kvops.core.files import parse_json, read_mapping, read_text
 
@@ -68,15 +70,19 @@ def _recognise_more(doc: Mapping[object, object], keys: set[object]) -> str | No
 
 
 def recognise_text(text: str) -> str | None:
-    """The kind of a text that is not one JSON document: a JSONL trace, a BurstGPT CSV."""
+    """The kind of a text that is not one JSON document: a JSONL trace, a BurstGPT CSV, or a YAML
+    file kvops reads (kvops.yaml, alerts.yaml, a scenario) handed to a JSON or CSV reader."""
     first = text.lstrip().split("\n", 1)[0]
     if "Request tokens" in first and "Timestamp" in first:
         return TRACE
     try:
-        row = json.loads(first)
+        return recognise(json.loads(first))
     except (ValueError, RecursionError):
+        pass
+    try:
+        return recognise(yaml.safe_load(text))
+    except (yaml.YAMLError, ValueError, RecursionError):
         return None
-    return recognise(row)
 
 
 def refuse_other_kind(doc: object, label: str, expected: str, accepted: tuple[str, ...] = ()) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvops.core.errors import BadInputError
 from kvops.core.files import read_text
-from kvops.core.kinds import TRACE, refuse_other_kind
+from kvops.core.kinds import TRACE, recognise_text, refuse_other_kind
 
 MOONCAKE_BLOCK_TOKENS = 512
 MAX_REQUEST_TOKENS = 2**31 - 1
@@ -56,6 +56,7 @@ def read_trace(path: Path) -> Trace:
         _refuse_other_kind(path, text)
         requests, fmt, has_ids = _mooncake(path, text), "mooncake", True
     elif start:
+        _refuse_yaml_kind(path, text)
         requests, fmt, has_ids = _burstgpt(path, text), "burstgpt", False
     else:
         raise BadInputError(f"trace {path} is empty: give a Mooncake JSONL or BurstGPT CSV file")
@@ -73,6 +74,13 @@ def _refuse_other_kind(path: Path, text: str) -> None:
     except (ValueError, RecursionError):
         return
     refuse_other_kind(doc, f"trace {path}", TRACE)
+
+
+def _refuse_yaml_kind(path: Path, text: str) -> None:
+    """kvops.yaml, alerts.yaml or a scenario is no CSV: name it rather than its missing columns."""
+    kind = recognise_text(text)
+    if kind is not None and kind != TRACE:
+        raise BadInputError(f"trace {path}: this is {kind}, not {TRACE}")
 
 
 def _bad(path: Path, line: int, what: str) -> BadInputError:

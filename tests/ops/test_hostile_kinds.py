@@ -106,13 +106,10 @@ KIND_NAMES = {"config": kinds.MODEL_CONFIG, "plan": kinds.PLAN, "kv-capacity": k
               "calibration": kinds.CALIBRATION, "result": kinds.LOADTEST_RESULT, "trace": kinds.TRACE,
               "burstgpt": kinds.TRACE, "scales": kinds.SCALES, "settings": kinds.SETTINGS, "bench": kinds.BENCH,
               "alerts": kinds.ALERTS, "scenario": kinds.SCENARIO}
-YAML_KINDS = ("settings", "alerts", "scenario")  # no JSON, nor a CSV trace: refused unnamed by those readers
 # 3: the log differs from the plan; 1: the peer is dead (or, for LMCache's port, maybe alive);
 # loadtest: the scenario is read, then the dead server or the unwritable --out ends it
 ANSWERS = {"verify --expect": (0, 3), "diagnose --result": (1,), "offload status --config": (0, 1),
            "loadtest --scenario-file": (1, 2), "loadtest --baseline": (1, 2)}
-NOT_YAML_READERS = ("verify --expect", "plan --calibration", "diagnose --result", "trace stats", "plan --trace",
-                    "plan --lengths-file", "loadtest --baseline")
 
 
 def _run(reader: str, path: Path, files: dict[str, Path]) -> Run:
@@ -136,14 +133,13 @@ CROSS = [(reader, kind) for reader, (_, takes) in READERS.items() for kind in KI
 
 @pytest.mark.parametrize(("reader", "kind"), CROSS)
 def test_a_file_of_another_kind_is_named(files: dict[str, Path], reader: str, kind: str) -> None:
-    """A model config passed as --expect once "equalled the plan"; now each reader says what it got.
-    A YAML file is no JSON, CSV trace or lengths file to those readers: refused unnamed there."""
+    """A model config passed as --expect once "equalled the plan"; now each reader says what it got,
+    a YAML file (kvops.yaml, alerts.yaml, a scenario) handed to a JSON, trace or lengths reader too."""
     run = _run(reader, files[kind], files)
     assert_refused(run)
-    if not (kind in YAML_KINDS and reader in NOT_YAML_READERS):
-        assert f"this is {KIND_NAMES[kind]}" in run.err, run.err
-        expected = READERS[reader][1][0]
-        assert f"not {KIND_NAMES.get(expected, 'a lengths file')}" in run.err, run.err
+    assert f"this is {KIND_NAMES[kind]}" in run.err, run.err
+    expected = READERS[reader][1][0]
+    assert f"not {KIND_NAMES.get(expected, 'a lengths file')}" in run.err, run.err
 
 
 def test_model_config_as_expect_is_not_the_plan(files: dict[str, Path]) -> None:
@@ -355,8 +351,7 @@ def test_scales_reader_names_a_file_of_another_kind(files: dict[str, Path], kind
         load_scales_file(files[kind])
     message = str(caught.value)
     assert "\n" not in message
-    if kind not in YAML_KINDS:
-        assert f"this is {KIND_NAMES[kind]}, not {kinds.SCALES}" in message, message
+    assert f"this is {KIND_NAMES[kind]}, not {kinds.SCALES}" in message, message
 
 
 @FEW
