@@ -16,9 +16,9 @@ import json
 import math
 import struct
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvops.core import kinds
 from kvops.core.errors import BadInputError
@@ -108,9 +108,9 @@ class ModelFingerprint(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     architecture: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    num_layers: Annotated[int, Field(ge=1, le=4096)]  # beyond any real decoder: a typo
+    num_kv_heads: Annotated[int, Field(ge=1)]
+    head_dim: Annotated[int, Field(ge=1)]
     config_sha256: str
 
 
@@ -189,15 +189,15 @@ class AccuracySummary(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     method: str = "offline transformers forward, vLLM's fp8 round trip on the cached K/V"
-    sequences: int
-    tokens: int
-    threshold: float
+    sequences: Annotated[int, Field(ge=0)]
+    tokens: Annotated[int, Field(ge=0)]
+    threshold: Annotated[float, Field(gt=0, allow_inf_nan=False)]
     bf16_perplexity: float
     scale1_perplexity_ratio: float
     scale1_mean_kl: float
     calibrated_perplexity_ratio: float
     calibrated_mean_kl: float
-    skip_layers: list[int] = []
+    skip_layers: list[Annotated[int, Field(ge=0)]] = []
     """Layer indices for vLLM's --kv-cache-dtype-skip-layers (empty: none needed or none helps)."""
     skip_perplexity_ratio: float | None = None
     skip_mean_kl: float | None = None
@@ -211,12 +211,12 @@ class ScalesFile(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    format_version: int = SCALES_FORMAT_VERSION
+    format_version: Annotated[int, Field(ge=1)] = SCALES_FORMAT_VERSION
     dtype: Fp8Format
-    margin: float = DEFAULT_MARGIN
+    margin: Annotated[float, Field(gt=0, allow_inf_nan=False)] = DEFAULT_MARGIN
     model: ModelFingerprint
     vllm_version: str = ""
-    tokens_seen: int = 0
+    tokens_seen: Annotated[int, Field(ge=0)] = 0
     layers: dict[str, LayerScales]
     """vLLM attention layer name (e.g. ``model.layers.0.self_attn.attn``) -> scales."""
     accuracy: AccuracySummary | None = None

@@ -131,3 +131,31 @@ def test_checkpoint_scale_names_come_from_safetensors_headers(tmp_path: Path):
         "model.layers.0.self_attn.k_scale", "model.layers.1.self_attn.v_proj.output_scale",
     ]
 
+
+
+_VALID_SCALES = {"format_version": 1, "dtype": "fp8_e4m3", "layers": {"model.layers.0.self_attn.attn": {
+    "k_scale": 0.1, "v_scale": 0.1}}, "model": {"architecture": "LlamaForCausalLM", "num_layers": 2,
+                                                "num_kv_heads": 2, "head_dim": 64, "config_sha256": "0" * 64}}
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("model", "head_dim"), 0), (("model", "num_kv_heads"), 0), (("model", "num_layers"), 10**9),
+    (("margin",), -1.0), (("margin",), 0.0), (("tokens_seen",), -5), (("format_version",), 0),
+])
+def test_scales_file_sizes_out_of_bounds_are_one_line(tmp_path: Path, path: tuple[str, ...], value: object) -> None:
+    doc = json.loads(json.dumps(_VALID_SCALES))
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    file = tmp_path / "scales.json"
+    file.write_text(json.dumps(doc))
+    with pytest.raises(BadInputError, match=".".join(path)) as caught:
+        load_scales_file(file)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_valid_scales_file_of_the_bounds_test_loads(tmp_path: Path) -> None:
+    file = tmp_path / "scales.json"
+    file.write_text(json.dumps(_VALID_SCALES))
+    assert load_scales_file(file).model.head_dim == 64
