@@ -49,6 +49,7 @@ from kvops.ops.capacity.model import ModelKV, load_config, model_dtype, read_mod
 from kvops.ops.capacity.offload import OffloadInputs, recommend_offload
 from kvops.ops.capacity.outputs import kvops_settings, offload_chunk_tokens, serve_command
 from kvops.ops.capacity.quantization import weight_format
+from kvops.ops.capacity.scales_advice import read_scales, request_with_advice, with_scales
 from kvops.ops.capacity.tiers import (
     prefix_curves,
     resolve_costs,
@@ -79,6 +80,7 @@ class PlanRequest:
     model_dir: Path | None = None
     quantization: str | None = None  # vllm serve --quantization (a bf16 checkpoint quantized while loading)
     dtype: str | None = None  # vllm serve --dtype (auto: the checkpoint's, float32 served as bfloat16)
+    kv_scales: Path | None = None  # a kvops calibrate scales file: loaded by kvops.yaml, its skip advice sized
     # device
     gpu: str | None = None
     gpu_memory_gib: float | None = None
@@ -128,6 +130,10 @@ def run_plan(req: PlanRequest) -> Plan:
     if req.host_memory_gib is not None and not 0 <= req.host_memory_gib <= MAX_GIB:
         raise BadInputError(f"--host-memory-gib must be in [0, {MAX_GIB:.0f}], got {req.host_memory_gib}")
     raw = load_config(req.config)
+    scales = read_scales(req.kv_scales, req.kv_cache_dtype, raw) if req.kv_scales is not None else None
+    given_skips = req.kv_cache_dtype_skip_layers
+    if scales is not None:
+        req = request_with_advice(req, scales)
     model = _read_model(raw, req, req.kv_cache_dtype)
     check_context(model, req.max_model_len)
     fp8 = None
@@ -155,6 +161,8 @@ def run_plan(req: PlanRequest) -> Plan:
         plan = with_trace(plan, trace, over, kv_bytes, req.target_hit_fraction, req.host_memory_gib, profile)
     if costs is not None:
         plan = _decide_offload(req, plan, costs, kv_bytes, trace, profile)
+    if scales is not None and req.kv_scales is not None:
+        plan = with_scales(plan, raw, scales, req.kv_scales, given_skips)
     return plan
 
 

@@ -170,6 +170,9 @@ ModelDir = Annotated[Path | None, typer.Option(
 Quantization = Annotated[str | None, typer.Option(
     "--quantization", help="As vllm serve takes it: a bf16 checkpoint quantized while loading (fp8, bitsandbytes, "
     "experts_int8); a quantized checkpoint's own method is read from its config.json.", rich_help_panel=MODEL_PANEL)]
+KvScales = Annotated[Path | None, typer.Option(
+    "--kv-scales", help="A scales file from kvops calibrate (fp8 KV): kvops.yaml loads it, and the layers it advises "
+    "keeping at the model dtype are sized and passed as --kv-cache-dtype-skip-layers.", rich_help_panel=MODEL_PANEL)]
 ModelDtype = Annotated[str | None, typer.Option(
     "--dtype", help="As vllm serve takes it: auto (the checkpoint's; float32 served as bfloat16), bfloat16, "
     "float16, float32.", rich_help_panel=MODEL_PANEL)]
@@ -236,7 +239,7 @@ def plan_cmd(
     max_model_len: MaxLen, config: ModelConfig = None, config_alias: ConfigAlias = None,
     kv_cache_dtype: KvDtype = KV_AUTO, kv_cache_dtype_skip_layers: SkipLayers = None, draft_layers: Draft = 0,
     num_speculative_tokens: SpecTokens = 0, speculative_method: SpecMethod = None, model_dir: ModelDir = None,
-    quantization: Quantization = None, dtype: ModelDtype = None,
+    quantization: Quantization = None, dtype: ModelDtype = None, kv_scales: KvScales = None,
     gpu: Gpu = None, gpu_memory_gib: GpuGib = None, tensor_parallel_size: Tp = 1, pipeline_parallel_size: Pp = 1,
     pp_layer_partition: PpPartition = None, device: Device = DeviceKind.cuda, memory_gib: MemoryGib = None,
     p50: P50 = None, p95: P95 = None, p99: P99 = None, lengths_file: LengthsFile = None,

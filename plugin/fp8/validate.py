@@ -151,6 +151,22 @@ def describe(plan: Fp8Plan) -> str:
     )
 
 
+def skip_advice(plan: Fp8Plan, served_skips: list[str]) -> str | None:
+    """A warning when the scales file advises layers to keep at the model dtype that this server
+    quantizes (``kvops calibrate`` measured them: kvops.ops.fp8.sensitivity); None otherwise."""
+    accuracy = plan.scales.accuracy if plan.source == "file" and plan.scales is not None else None
+    if accuracy is None or not accuracy.skip_layers:
+        return None
+    missing = [layer for layer in accuracy.skip_layers if str(layer) not in served_skips]
+    if not missing:
+        return None
+    advised = " ".join(str(layer) for layer in accuracy.skip_layers)
+    return (f"kvops fp8: {plan.scales_path} advises keeping layers {advised} unquantized (calibrated fp8 "
+            f"perplexity ratio {accuracy.calibrated_perplexity_ratio:.4f} without them, threshold "
+            f"{accuracy.threshold}); this server quantizes {' '.join(map(str, missing))}: serve with "
+            f"--kv-cache-dtype-skip-layers {advised} (`kvops plan --kv-scales` sizes what they cost)")
+
+
 def check_fp8(vllm_config: Any, kv_scales: KvScalesSettings | None) -> Fp8Plan | None:
     """The front-end entry (plugin/hooks.py): validate, then log which scales won.
 
@@ -165,4 +181,7 @@ def check_fp8(vllm_config: Any, kv_scales: KvScalesSettings | None) -> Fp8Plan |
     if plan is not None:
         log = plugin_logger()
         (log.warning if plan.source == "default" else log.info)(describe(plan))
+        advice = skip_advice(plan, [str(x) for x in vllm_config.cache_config.kv_cache_dtype_skip_layers or []])
+        if advice is not None:
+            log.warning(advice)
     return plan
