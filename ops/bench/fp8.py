@@ -114,10 +114,27 @@ def _fp8_server(model_dir: Path, log: Path, scales: Path | None) -> ManagedServe
     return vllm_server(model_dir, args, log_path=log, name=log.stem)
 
 
+def _fp8_servers_refused() -> str | None:
+    """Why vLLM will not serve fp8 KV on this CPU (the bench's server keys need it), or None."""
+    import platform
+
+    from kvops.core.fp8.scales import fp8_kv_support
+    from kvops.plugin.fp8.validate import cpu_flags
+
+    ok, reason = fp8_kv_support(platform.machine(), cpu_flags(), 64, False)
+    return None if ok else reason
+
+
 def run(models: Sequence[tuple[str, float]] = BENCH_MODELS) -> dict[str, Any]:
+    from kvops.ops.bench import fp8_real
     from kvops.ops.fp8.kv_scaled_model import build_kv_scaled_model
 
     started = time.monotonic()
+    real = fp8_real.run()
+    refused = _fp8_servers_refused()
+    if refused is not None:
+        return {"capacity_ratio": None, "models": [], "servers_skipped": refused, "real_model": real,
+                "bench_seconds": round(time.monotonic() - started, 1)}
     with tempfile.TemporaryDirectory(prefix="kvops-bench-fp8-") as tmp:
         work = Path(tmp)
         runs = [
@@ -132,5 +149,6 @@ def run(models: Sequence[tuple[str, float]] = BENCH_MODELS) -> dict[str, Any]:
         "mean_drift_calibrated": sum(r.calibrated.mean_abs_logprob_delta for r in runs) / len(runs),
         "max_drift_scale1": max(r.scale1.max_abs_logprob_delta for r in runs),
         "max_drift_calibrated": max(r.calibrated.max_abs_logprob_delta for r in runs),
+        "real_model": real,
         "bench_seconds": round(time.monotonic() - started, 1),
     }
