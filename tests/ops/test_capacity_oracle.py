@@ -19,7 +19,7 @@ import pytest
 
 from kvops.core.errors import BadInputError
 from kvops.ops.capacity.allocator import SizingFlags, kv_capacity
-from kvops.ops.capacity.model import read_model
+from kvops.ops.capacity.model import ModelKV, read_model
 
 FIXTURES = Path(__file__).parents[2] / "../shared/fixtures/model-configs"
 GIB = 1 << 30
@@ -141,15 +141,20 @@ def oracle() -> Oracle:
     return Oracle()
 
 
+def capacity_or_none(model: ModelKV, budget: int, flags: SizingFlags) -> tuple[int, int, float] | None:
+    """Our (num_blocks, tokens, concurrency) for one rank's budget; None where we refuse, as vLLM fails."""
+    try:
+        cap = kv_capacity(model, budget, flags)
+    except BadInputError:
+        return None
+    return cap.num_blocks, cap.kv_cache_size_tokens, cap.max_concurrency
+
+
 def ours(cfg: dict[str, Any], case: dict[str, Any]) -> tuple[int, int, float] | None:
     model = read_model(cfg, tp=case["tp"], kv_cache_dtype=case["kv"])
     flags = SizingFlags(max_model_len=case["mml"], device=case["device"],
                         block_size=case.get("block_size"), max_num_batched_tokens=case["mnbt"])
-    try:
-        cap = kv_capacity(model, case["budget"], flags)
-    except BadInputError:
-        return None
-    return cap.num_blocks, cap.kv_cache_size_tokens, cap.max_concurrency
+    return capacity_or_none(model, case["budget"], flags)
 
 
 def assert_equal(oracle: Oracle, cfg: dict[str, Any], case: dict[str, Any]) -> None:
@@ -266,11 +271,7 @@ def ours_pp(cfg: dict[str, Any], case: dict[str, Any]) -> tuple[int, int, float]
     model = read_model(cfg, tp=case["tp"], kv_cache_dtype=case["kv"])
     flags = SizingFlags(max_model_len=case["mml"], device=case["device"], max_num_batched_tokens=case["mnbt"],
                         pipeline_parallel_size=case["pp"])
-    try:
-        cap = kv_capacity(model, case["budget"], flags)
-    except BadInputError:
-        return None
-    return cap.num_blocks, cap.kv_cache_size_tokens, cap.max_concurrency
+    return capacity_or_none(model, case["budget"], flags)
 
 
 @pytest.mark.parametrize("name", ["llama_8b", "gpt_oss_20b", "gemma_like_5to1", "mistral_all_sw", "qwen3_next"])

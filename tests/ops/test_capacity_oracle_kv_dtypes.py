@@ -30,10 +30,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_capacity_oracle import FIXTURES, GIB, Oracle, oracle_layer_kinds, synthetic_configs
+from test_capacity_oracle import (
+    FIXTURES,
+    GIB,
+    Oracle,
+    capacity_or_none,
+    oracle_layer_kinds,
+    synthetic_configs,
+)
 
 from kvops.core.errors import BadInputError
-from kvops.ops.capacity.allocator import SizingFlags, kv_capacity
+from kvops.ops.capacity.allocator import SizingFlags
 from kvops.ops.capacity.model import read_model
 
 HOPPER = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION", "TURBOQUANT")  # platforms/cuda.py:168-179
@@ -174,11 +181,7 @@ def ours(cfg: dict[str, Any], case: dict[str, Any]) -> tuple[int, int, float] | 
     except BadInputError:
         return REFUSED
     flags = SizingFlags(max_model_len=case["mml"], device=case["device"], max_num_batched_tokens=case["mnbt"])
-    try:
-        cap = kv_capacity(model, case["budget"], flags)
-    except BadInputError:
-        return None
-    return cap.num_blocks, cap.kv_cache_size_tokens, cap.max_concurrency
+    return capacity_or_none(model, case["budget"], flags)
 
 
 @pytest.fixture(scope="module")

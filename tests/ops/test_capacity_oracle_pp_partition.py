@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 import pytest
-from test_capacity_oracle import FIXTURES, GIB, Oracle, run_pp, synthetic_configs
+from test_capacity_oracle import FIXTURES, GIB, Oracle, capacity_or_none, run_pp, synthetic_configs
 from typer.testing import CliRunner
 
 from kvops.core.errors import BadInputError
@@ -46,11 +46,7 @@ def ours(cfg: dict[str, Any], case: dict[str, Any]) -> Result:
     model = read_model(cfg, tp=case["tp"], kv_cache_dtype=case["kv"])
     flags = SizingFlags(max_model_len=case["mml"], device=case["device"], max_num_batched_tokens=case["mnbt"],
                         pipeline_parallel_size=case["pp"], pp_layer_partition=parse_pp_layer_partition(case["split"]))
-    try:
-        cap = kv_capacity(model, case["budget"], flags)
-    except BadInputError:
-        return None
-    return cap.num_blocks, cap.kv_cache_size_tokens, cap.max_concurrency
+    return capacity_or_none(model, case["budget"], flags)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from types import MethodType, SimpleNamespace
 from typing import Any
 
 import pytest
-from test_capacity_oracle import FIXTURES, GIB, Oracle, synthetic_configs
+from test_capacity_oracle import FIXTURES, GIB, Oracle, capacity_or_none, synthetic_configs
 
 from kvops.core.errors import BadInputError
 from kvops.ops.capacity.allocator import SizingFlags, kv_capacity
@@ -57,11 +57,7 @@ def ours(cfg: dict[str, Any], case: dict[str, Any]) -> Result:
     model = read_model(cfg, tp=case["tp"], kv_cache_dtype=case["kv"], draft_layers=case["draft"],
                        num_speculative_tokens=case["k"], speculative_method=case["method"])
     flags = SizingFlags(max_model_len=case["mml"], device=case["device"], max_num_batched_tokens=case["mnbt"])
-    try:
-        cap = kv_capacity(model, case["budget"], flags)
-    except BadInputError:
-        return None
-    return cap.num_blocks, cap.kv_cache_size_tokens, cap.max_concurrency
+    return capacity_or_none(model, case["budget"], flags)
 
 
 def config(name: str) -> dict[str, Any]:
