@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,15 +137,19 @@ def _request(run: LoggedRun, config: Path) -> PlanRequest:
         dtype=run.args.get("dtype"))
 
 
-def _tokens(run: LoggedRun, req: PlanRequest, available_bytes: int) -> int:
-    """The logged token figure for ``available_bytes`` of KV, in the logging version's meaning."""
+def _token_counter(run: LoggedRun, req: PlanRequest, plan: Plan) -> Callable[[int], int]:
+    """The logged token figure for a number of KV bytes, in the logging version's meaning (the
+    model read once for the three figures a run needs)."""
     model = read_model(load_config(req.config), tp=run.tp, kv_cache_dtype=run.kv_cache_dtype, dtype=req.dtype)
-    flags = SizingFlags(max_model_len=run.max_model_len, block_size=run.block_size, max_num_batched_tokens=8192,
-                        pipeline_parallel_size=run.pp)
-    cap = kv_capacity(model, available_bytes, flags)
-    if accounting(run.vllm_version).get("legacy_tokens"):
-        return cap.num_blocks // len(cap.groups) * cap.block_size
-    return cap.kv_cache_size_tokens
+    flags = SizingFlags(max_model_len=run.max_model_len, block_size=run.block_size,
+                        max_num_batched_tokens=plan.max_num_batched_tokens, pipeline_parallel_size=run.pp)
+    legacy = accounting(run.vllm_version).get("legacy_tokens")
+
+    def tokens(available_bytes: int) -> int:
+        cap = kv_capacity(model, available_bytes, flags)
+        return cap.num_blocks // len(cap.groups) * cap.block_size if legacy else cap.kv_cache_size_tokens
+
+    return tokens
 
 
 def _pct(predicted: float, logged: float) -> float:
@@ -157,7 +162,8 @@ def compare(run: LoggedRun, config: Path) -> dict[str, Any]:
     plan = run_plan(req)
     weights, available = _first_stage(run, req, plan)
     lo, hi = (round((run.available_kv_gib + d) * GIB) for d in (-_ROUNDING_GIB, _ROUNDING_GIB))
-    tokens_lo, tokens_hi = _tokens(run, req, lo), _tokens(run, req, hi)
+    tokens = _token_counter(run, req, plan)
+    tokens_lo, tokens_hi = tokens(lo), tokens(hi)
     return {
         "model": run.model, "config": config.name, "url": run.url, "tp": run.tp, "pp": run.pp,
         "fit": run.model in FIT_MODELS and run.source == LOGS.name, "source": run.source, "gpu": run.gpu,
@@ -167,7 +173,7 @@ def compare(run: LoggedRun, config: Path) -> dict[str, Any]:
         "logged": {"weights_gib": run.weights_gib, "available_kv_gib": run.available_kv_gib,
                    "kv_cache_tokens": run.kv_cache_tokens},
         "predicted": {"weights_gib": round(weights, 3), "available_kv_gib": round(available, 3),
-                      "kv_cache_tokens": _tokens(run, req, plan.capacity.available_kv_bytes),
+                      "kv_cache_tokens": tokens(plan.capacity.available_kv_bytes),
                       "non_kv": plan.non_kv.model_dump(), "weights_source": plan.non_kv_sources.weights_gib},
         "weights_error_pct": _pct(weights, run.weights_gib),
         "available_kv_error_pct": _pct(available, run.available_kv_gib),

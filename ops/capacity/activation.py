@@ -57,7 +57,7 @@ class ActivationShape:
 
     def non_torch_gib(self) -> float:
         if self.tp > 1:
-            return NON_TORCH_GIB[min(4, 2 if self.tp < 4 else 4)]
+            return NON_TORCH_GIB[2 if self.tp < 4 else 4]
         return PIPELINE_NON_TORCH_GIB if self.pp > 1 else NON_TORCH_GIB[1]
 
 
