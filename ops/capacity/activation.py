@@ -27,7 +27,7 @@ from typing import Any
 from kvops.core.units import GIB
 from kvops.ops.capacity.constants import MODEL_DTYPE_BYTES
 from kvops.ops.capacity.model import text_config
-from kvops.ops.capacity.weights import VOCAB_PADDING, is_moe_layer
+from kvops.ops.capacity.weights import VOCAB_PADDING, config_count, is_moe_layer
 
 FIT_RUNS = "Llama-3.1-8B (TP1/2/4, PP2/4, fp32) and Qwen2.5-7B (TP1), vLLM 0.19 H100 logs"
 SAMPLER_BYTES_PER_LOGIT = 11.5  # bf16 logits 2 + fp32 4 + sort values 4 + int64 indices 8, partly freed: fitted
@@ -61,22 +61,17 @@ class ActivationShape:
         return PIPELINE_NON_TORCH_GIB if self.pp > 1 else NON_TORCH_GIB[1]
 
 
-def _int(cfg: Mapping[str, Any], key: str) -> int:
-    value = cfg.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
 def activation_shape(raw: Mapping[str, Any], dtype: str, tp: int, pp: int) -> ActivationShape:
     cfg = text_config(raw)
-    hidden = _int(cfg, "hidden_size")
-    dense = _int(cfg, "intermediate_size") // tp + int(RESIDUAL_HIDDEN_WIDTHS * hidden)
-    layers = _int(cfg, "num_hidden_layers")
+    hidden = config_count(cfg, "hidden_size")
+    dense = config_count(cfg, "intermediate_size") // tp + int(RESIDUAL_HIDDEN_WIDTHS * hidden)
+    layers = config_count(cfg, "num_hidden_layers")
     widest = dense
     moe = any(is_moe_layer(cfg, i) for i in range(layers))
     if moe:
-        width = (_int(cfg, "moe_intermediate_size") or _int(cfg, "intermediate_size")) // tp
-        top_k = _int(cfg, "num_experts_per_tok") or _int(cfg, "experts_per_token") or 1
+        width = (config_count(cfg, "moe_intermediate_size") or config_count(cfg, "intermediate_size")) // tp
+        top_k = config_count(cfg, "num_experts_per_tok") or config_count(cfg, "experts_per_token") or 1
         widest = max(widest, top_k * (3 * width + hidden))
-    vocab = -(-_int(cfg, "vocab_size") // VOCAB_PADDING) * VOCAB_PADDING
+    vocab = -(-config_count(cfg, "vocab_size") // VOCAB_PADDING) * VOCAB_PADDING
     return ActivationShape(widest, vocab, int(MODEL_DTYPE_BYTES[dtype]), tp, pp, moe=moe,
                            multimodal=isinstance(raw.get("vision_config"), dict))

@@ -73,7 +73,8 @@ def _linear(inputs: int, outputs: int) -> RankParams:
     return RankParams(linear=inputs * outputs, linear_rows=outputs)
 
 
-def _get(cfg: Mapping[str, Any], key: str, default: int = 0) -> int:
+def config_count(cfg: Mapping[str, Any], key: str, default: int = 0) -> int:
+    """A size or count config.json gives: absent is ``default``; not a whole number >= 0 is refused."""
     value = cfg.get(key)
     if value is None:
         return default
@@ -89,10 +90,10 @@ def _split(size: int, tp: int, key: str) -> int:
 
 
 def _attention(cfg: Mapping[str, Any], tp: int) -> RankParams:
-    hidden, model_type = _get(cfg, "hidden_size"), str(cfg.get("model_type") or "")
+    hidden, model_type = config_count(cfg, "hidden_size"), str(cfg.get("model_type") or "")
     if cfg.get("kv_lora_rank") is not None:
         return _mla(cfg, tp, hidden)
-    heads = _split(_get(cfg, "num_attention_heads"), tp, "num_attention_heads")
+    heads = _split(config_count(cfg, "num_attention_heads"), tp, "num_attention_heads")
     hd = head_size(cfg, use_mla=False)
     q, kv = heads * hd, kv_heads_per_rank(total_kv_heads(cfg), tp) * hd
     params = _linear(hidden, q + 2 * kv) + _linear(q, hidden)
@@ -105,9 +106,9 @@ def _attention(cfg: Mapping[str, Any], tp: int) -> RankParams:
 
 def _mla(cfg: Mapping[str, Any], tp: int, hidden: int) -> RankParams:
     """DeepSeek-V2/V3 attention (models/deepseek_v2.py): low-rank q and kv, a replicated down-projection."""
-    heads = _split(_get(cfg, "num_attention_heads"), tp, "num_attention_heads")
-    nope, rope, v_dim = _get(cfg, "qk_nope_head_dim"), _get(cfg, "qk_rope_head_dim"), _get(cfg, "v_head_dim")
-    kv_rank, q_rank = _get(cfg, "kv_lora_rank"), _get(cfg, "q_lora_rank")
+    heads = _split(config_count(cfg, "num_attention_heads"), tp, "num_attention_heads")
+    nope, rope, v_dim = config_count(cfg, "qk_nope_head_dim"), config_count(cfg, "qk_rope_head_dim"), config_count(cfg, "v_head_dim")
+    kv_rank, q_rank = config_count(cfg, "kv_lora_rank"), config_count(cfg, "q_lora_rank")
     params = _linear(hidden, kv_rank + rope) + RankParams(other=kv_rank)  # kv_a_proj_with_mqa + kv_a_layernorm
     if q_rank:
         params += _linear(hidden, q_rank) + RankParams(other=q_rank) + _linear(q_rank, heads * (nope + rope))
@@ -117,7 +118,7 @@ def _mla(cfg: Mapping[str, Any], tp: int, hidden: int) -> RankParams:
 
 
 def _dense_mlp(cfg: Mapping[str, Any], tp: int, inter: int) -> RankParams:
-    hidden, width = _get(cfg, "hidden_size"), _split(inter, tp, "intermediate_size")
+    hidden, width = config_count(cfg, "hidden_size"), _split(inter, tp, "intermediate_size")
     if str(cfg.get("model_type") or "") in _PLAIN_MLP:
         return _linear(hidden, width) + _linear(width, hidden) + RankParams(other=width + hidden)
     return _linear(hidden, 2 * width) + _linear(width, hidden)
@@ -126,17 +127,17 @@ def _dense_mlp(cfg: Mapping[str, Any], tp: int, inter: int) -> RankParams:
 def _experts(cfg: Mapping[str, Any], tp: int) -> RankParams:
     """A fused MoE layer (layers/fused_moe): w13 and w2 of every expert, widths split over TP,
     the router replicated, and any shared experts as a dense MLP."""
-    hidden = _get(cfg, "hidden_size")
+    hidden = config_count(cfg, "hidden_size")
     count = _num_experts(cfg)
-    width = _split(_get(cfg, "moe_intermediate_size") or _get(cfg, "intermediate_size"), tp, "moe_intermediate_size")
+    width = _split(config_count(cfg, "moe_intermediate_size") or config_count(cfg, "intermediate_size"), tp, "moe_intermediate_size")
     params = RankParams(experts=count * 3 * hidden * width, expert_rows=count * (2 * width + hidden),
                         other=hidden * count + (count if cfg.get("model_type") in ("gpt_oss", "deepseek_v3") else 0))
     if cfg.get("model_type") == "gpt_oss":  # biased experts and router
         params += RankParams(other=count * (2 * width + hidden))
-    shared = _get(cfg, "n_shared_experts") * _get(cfg, "moe_intermediate_size")
-    shared = shared or _get(cfg, "shared_expert_intermediate_size")
+    shared = config_count(cfg, "n_shared_experts") * config_count(cfg, "moe_intermediate_size")
+    shared = shared or config_count(cfg, "shared_expert_intermediate_size")
     if cfg.get("model_type") == "llama4_text":  # one shared expert of the routed experts' width (models/llama4.py)
-        shared = _get(cfg, "intermediate_size")
+        shared = config_count(cfg, "intermediate_size")
     if shared:
         params += _dense_mlp(cfg, tp, shared)
         params += RankParams(other=hidden if cfg.get("shared_expert_intermediate_size") else 0)  # its gate
@@ -145,8 +146,8 @@ def _experts(cfg: Mapping[str, Any], tp: int) -> RankParams:
 
 def _num_experts(cfg: Mapping[str, Any]) -> int:
     for key in ("num_local_experts", "n_routed_experts", "num_experts"):
-        if _get(cfg, key):
-            return _get(cfg, key)
+        if config_count(cfg, key):
+            return config_count(cfg, key)
     return 0
 
 
@@ -155,24 +156,24 @@ def is_moe_layer(cfg: Mapping[str, Any], index: int) -> bool:
     if not _num_experts(cfg):
         return False
     if cfg.get("first_k_dense_replace") is not None:  # DeepSeek
-        return index >= _get(cfg, "first_k_dense_replace") and index % max(1, _get(cfg, "moe_layer_freq", 1)) == 0
+        return index >= config_count(cfg, "first_k_dense_replace") and index % max(1, config_count(cfg, "moe_layer_freq", 1)) == 0
     only = cfg.get("mlp_only_layers") or []
     if isinstance(only, list) and index in only:
         return False
-    step = _get(cfg, "decoder_sparse_step", 0) or _get(cfg, "interleave_moe_layer_step", 1) or 1
+    step = config_count(cfg, "decoder_sparse_step", 0) or config_count(cfg, "interleave_moe_layer_step", 1) or 1
     return (index + 1) % step == 0
 
 
 def _layer(cfg: Mapping[str, Any], tp: int, index: int) -> RankParams:
-    hidden = _get(cfg, "hidden_size")
+    hidden = config_count(cfg, "hidden_size")
     norms = (4 if cfg.get("model_type") in _FOUR_NORMS else 2) * hidden
     norms *= 2 if cfg.get("model_type") in _PLAIN_MLP else 1  # LayerNorm: weight and bias
-    mlp = _experts(cfg, tp) if is_moe_layer(cfg, index) else _dense_mlp(cfg, tp, _get(cfg, "intermediate_size"))
+    mlp = _experts(cfg, tp) if is_moe_layer(cfg, index) else _dense_mlp(cfg, tp, config_count(cfg, "intermediate_size"))
     return _attention(cfg, tp) + mlp + RankParams(other=norms)
 
 
 def _padded_vocab(cfg: Mapping[str, Any], tp: int) -> int:
-    vocab = _get(cfg, "vocab_size")
+    vocab = config_count(cfg, "vocab_size")
     if vocab < 1:
         raise BadInputError("config field 'vocab_size' must be a whole number >= 1")
     return -(-vocab // VOCAB_PADDING) * VOCAB_PADDING // tp
@@ -181,12 +182,12 @@ def _padded_vocab(cfg: Mapping[str, Any], tp: int) -> int:
 def _rotary_cache(cfg: Mapping[str, Any]) -> int:
     """cos/sin cache elements: positions × rotary dim (get_rope caches one per distinct config)."""
     if cfg.get("kv_lora_rank") is not None:
-        dim = _get(cfg, "qk_rope_head_dim")
+        dim = config_count(cfg, "qk_rope_head_dim")
     else:
         dim = int(head_size(cfg, use_mla=False) * float(cfg.get("partial_rotary_factor") or 1.0))
     scaling = cfg.get("rope_scaling")
     rope: dict[str, Any] = scaling if isinstance(scaling, dict) else {}
-    positions = unscaled = _get(cfg, "max_position_embeddings")
+    positions = unscaled = config_count(cfg, "max_position_embeddings")
     kind, factor = str(rope.get("rope_type", rope.get("type", ""))), rope.get("factor")
     original = rope.get("original_max_position_embeddings")
     if kind in ("yarn", "deepseek_yarn") and isinstance(original, int) and isinstance(factor, int | float):
@@ -203,11 +204,11 @@ def _vision_tower(raw: Mapping[str, Any], tp: int) -> RankParams:
     vision = raw.get("vision_config")
     if not isinstance(vision, dict):
         return RankParams()
-    h, inter, layers = _get(vision, "hidden_size"), _get(vision, "intermediate_size"), _get(vision, "num_hidden_layers")
+    h, inter, layers = config_count(vision, "hidden_size"), config_count(vision, "intermediate_size"), config_count(vision, "num_hidden_layers")
     per_layer = 4 * h * h + 2 * h * inter + 9 * h + inter
-    patch = _get(vision, "patch_size", 14)
-    embed = _get(vision, "num_channels", 3) * patch * patch * h + (_get(vision, "image_size") // max(1, patch)) ** 2 * h
-    text_hidden = _get(text_config(raw), "hidden_size")
+    patch = config_count(vision, "patch_size", 14)
+    embed = config_count(vision, "num_channels", 3) * patch * patch * h + (config_count(vision, "image_size") // max(1, patch)) ** 2 * h
+    text_hidden = config_count(text_config(raw), "hidden_size")
     return RankParams(other=(layers * per_layer + embed + h * text_hidden + text_hidden * text_hidden) // tp,
                       notes=("vision tower estimated from vision_config",))
 
@@ -237,8 +238,8 @@ def rank_params(raw: Mapping[str, Any], tp: int = 1, pp: int = 1,
                 partition: tuple[int, ...] | None = None) -> list[RankParams]:
     """Elements held by each pipeline stage's TP rank."""
     cfg = text_config(raw)
-    layers = _get(cfg, "num_hidden_layers")
-    vocab, hidden = _padded_vocab(cfg, tp), _get(cfg, "hidden_size")
+    layers = config_count(cfg, "num_hidden_layers")
+    vocab, hidden = _padded_vocab(cfg, tp), config_count(cfg, "hidden_size")
     tied = _tied(cfg, raw)
     cache = RankParams(other=_rotary_cache(cfg))
     stages = []
