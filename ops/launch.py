@@ -193,6 +193,9 @@ class ManagedServer:
         while _group_alive(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         _signal_group(proc.pid, signal.SIGKILL)  # stragglers left in the group
+        killed_by = time.monotonic() + 5.0  # SIGKILL lands asynchronously: return once they are gone
+        while _group_alive(proc.pid) and time.monotonic() < killed_by:
+            time.sleep(0.01)
         return proc.returncode
 
 
