@@ -59,6 +59,7 @@ from kvops.core.prom import (
 )
 from kvops.core.units import GIB
 from kvops.ops.bench import greedy
+from kvops.ops.bench.offload_figures import Loads
 from kvops.ops.bench.offload_report import (
     FirstPass,
     Gaps,
@@ -68,8 +69,9 @@ from kvops.ops.bench.offload_report import (
     outputs,
     variant_result,
 )
+from kvops.ops.capacity.weights import prefill_flops_per_token
 from kvops.ops.launch import ManagedServer, vllm_server
-from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
+from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model, config_dict
 from kvops.ops.offload.server import lmcache_server
 from kvops.ops.offload.shm import remove_stale_segments
 from kvops.ops.offload.status import counter_values
@@ -165,6 +167,8 @@ def run() -> dict[str, Any]:
         "transfer_mode_setting": wanted,
         "transfer_mode_reason": reason,
         "memcpy_gb_per_s": memcpy,
+        "cold_prefill_tokens_per_s": PROMPT_TOKENS / results[default.transfer_mode]["ttft_s"]["no_connector"],
+        "prefill_flops_per_token": prefill_flops_per_token(config_dict(REFERENCE_SHAPE)),
         "shm_huge_pages": shm_huge_pages(),
         **digests,
     }
@@ -239,14 +243,15 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
         lmcache.stop()
     first_count = len(first.runs["cold"])
     first_pass = FirstPass(runs=first.runs, baseline=bench.baseline_runs[:first_count],
-                           load_gb_per_s=first.load_gb_per_s, server_faults=first.faults)
+                           load_gb_per_s=first.load_gb_per_s, server_faults=first.faults,
+                           loads=first.loads)
     measured = Measured(
         transfer_mode=mode, runs=steady.runs, baseline=bench.baseline_runs[first_count:],
         misses=misses, hits=steady.hits, load_gb_per_s=steady.load_gb_per_s,
         store_gb_per_s=_rate(metrics, "kvops_offload_stored_bytes_total",
                              "kvops_offload_store_seconds_sum"),
         settings=settings.model_dump(), miss_split=miss_split.means(),
-        hit_split=steady.split.means(), server_faults=steady.faults,
+        hit_split=steady.split.means(), server_faults=steady.faults, loads=steady.loads,
         first_pass=replace(first_pass, gaps=_score(bench, bench.prompts[1:], first_pass, first.token_ids)),
     )
     return replace(measured, gaps=_score(bench, bench.steady_prompts, measured, steady.token_ids)), _mode_line(log)
@@ -293,6 +298,7 @@ class _Tiers:
     hits: dict[str, float] = field(default_factory=lambda: {"l1": 0.0, "disk": 0.0})
     split: _TimeSplit = field(default_factory=lambda: _TimeSplit())
     faults: dict[str, list[int]] = field(default_factory=lambda: {"l1": [], "disk": []})
+    loads: Loads = field(default_factory=lambda: {"l1": [], "disk": []})
     load_gb_per_s: float = 0.0
 
 
@@ -328,6 +334,8 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
         for tier, count in (("l1", l1_faults), ("disk", disk_faults)):
             if count is not None:
                 tiers.faults[tier].append(count)
+        tiers.loads["l1"].append(_load_of(l1_first, l1_last))
+        tiers.loads["disk"].append(_load_of(disk_first, disk_last))
     loads_after = _samples(server.url)
     tiers.load_gb_per_s = _rate_between(loads_before, loads_after, "kvops_offload_loaded_bytes_total",
                                         "kvops_offload_load_seconds_sum")
@@ -344,6 +352,12 @@ def _hit(server: ManagedServer, model: Path, prompt: list[int],
     faulted = group_minor_faults(group)
     during = None if faults is None or faulted is None else faulted - faults
     return hit, first, _settled(server.url, first), during
+
+
+def _load_of(first: MetricsSample, last: MetricsSample) -> tuple[float, float]:
+    """(bytes, seconds) the connector counted loading between two scrapes of vLLM's /metrics."""
+    return (delta(first, last, "kvops_offload_loaded_bytes_total"),
+            delta(first, last, "kvops_offload_load_seconds_sum"))
 
 
 def _cycle_kv_cache(server: ManagedServer, lmcache: ManagedServer, model: Path,

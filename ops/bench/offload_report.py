@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvops.ops.bench.greedy import Judged, tally
+from kvops.ops.bench.offload_figures import Loads, goals, load_figures
 from kvops.ops.bench.paired import block_ratios
 
 Gaps = dict[str, list[tuple[float, ...] | None]]
@@ -25,6 +26,10 @@ from the no-connector server's own (None: not scored)."""
 
 OUTPUT_KEYS = ("outputs_identical", "outputs_correct", "tie_flips", "wrong_outputs", "max_logprob_gap")
 """What a pass, a variant and a tuning row say about the greedy texts."""
+
+FIGURE_KEYS = ("load_ms_per_mib", "memcpy_ms_per_mib", "load_copy_fraction_of_memcpy", "load_mib_per_hit",
+               "load_s_per_hit", "hit_overhead_s", "server_page_faults_per_mib")
+"""The load's own figures, which carry over to another machine (ops/bench/offload_figures.py)."""
 
 RATIO_KEYS = ("l1_ttft_ratio", "disk_ttft_ratio", "miss_overhead_ratio", "copy_fraction_of_memcpy")
 """The keys a mode and a tuning row carry (lower is better, except the copy fraction, which the
@@ -43,6 +48,7 @@ class FirstPass:
     load_gb_per_s: float
     server_faults: dict[str, list[int]] = field(default_factory=dict)
     gaps: Gaps = field(default_factory=dict)
+    loads: Loads = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,8 @@ class Measured:
     first_pass: FirstPass | None = None
     gaps: Gaps = field(default_factory=dict)
     """The differing texts of ``runs``, scored by the no-connector server."""
+    loads: Loads = field(default_factory=dict)
+    """tier -> per hit: (bytes, seconds) the connector counted for its load."""
 
 
 def tier_ratios(runs: dict[str, list[tuple[float, str]]]) -> dict[str, Any]:
@@ -134,10 +142,12 @@ def faults_per_load(faults: dict[str, list[int]]) -> dict[str, float | None]:
 def first_pass_result(first: FirstPass, memcpy_gb_per_s: float) -> dict[str, Any]:
     """What ``first_pass`` shows: the hit ratios, copy fraction and page faults of the fresh server."""
     ratios = tier_ratios(first.runs)
+    faults = faults_per_load(first.server_faults)
     return {
         **ratios,
         "copy_fraction_of_memcpy": first.load_gb_per_s / memcpy_gb_per_s,
-        "server_page_faults_per_load": faults_per_load(first.server_faults),
+        "server_page_faults_per_load": faults,
+        **load_figures(first.loads, ratios["ttft_s"], faults, memcpy_gb_per_s),
         **output_checks(outputs(first)),
     }
 
@@ -162,6 +172,7 @@ def variant_result(m: Measured, memcpy_gb_per_s: float) -> dict[str, Any]:
     first = first_pass_result(m.first_pass, memcpy_gb_per_s) if m.first_pass else None
     passes = {"measured": outputs(m), **({"first": outputs(m.first_pass)} if m.first_pass else {})}
     repeats = len(m.runs["cold"])
+    faults = faults_per_load(m.server_faults)
     return {
         "l1_ttft_ratio": ratios["l1_ttft_ratio"],
         "disk_ttft_ratio": ratios["disk_ttft_ratio"],
@@ -187,7 +198,8 @@ def variant_result(m: Measured, memcpy_gb_per_s: float) -> dict[str, Any]:
         "hit_tokens_per_request": {tier: hits / repeats for tier, hits in m.hits.items()},
         "load_gb_per_s": m.load_gb_per_s,
         "store_gb_per_s": m.store_gb_per_s,
-        "server_page_faults_per_load": faults_per_load(m.server_faults),
+        "server_page_faults_per_load": faults,
+        **load_figures(m.loads, ratios["ttft_s"], faults, memcpy_gb_per_s),
         "first_pass": first,
     }
 
@@ -197,7 +209,7 @@ def mode_entry(result: dict[str, Any]) -> dict[str, Any]:
     keys = (*RATIO_KEYS, "miss_overhead_spread", "miss_overhead_blocks", "l1_ttft_ratio_per_prompt",
             "disk_ttft_ratio_per_prompt", "store_fraction_of_memcpy", *OUTPUT_KEYS,
             "differing_outputs", "ttft_s", "hit_tokens_per_request", "miss_time_split_s",
-            "hit_time_split_s", "server_page_faults_per_load", "first_pass")
+            "hit_time_split_s", "server_page_faults_per_load", *FIGURE_KEYS, "first_pass")
     return {key: result[key] for key in keys}
 
 
@@ -261,10 +273,11 @@ def tuning_row(knob: Knob, tried: dict[str, Any], default: dict[str, Any]) -> di
 def assemble(default: dict[str, Any], modes: dict[str, dict[str, Any]],
              tuning: list[tuple[Knob, dict[str, Any]]], context: dict[str, Any]) -> dict[str, Any]:
     """The whole JSON: ``context`` (shape, memcpy, mode setting...) and the default's keys on top
-    (DESIGN.md contract), then ``modes`` and ``tuning``."""
+    (DESIGN.md contract) with issue 43's ``goals`` and ``goal_met``, then ``modes`` and ``tuning``."""
     return {
         **context,
         **default,
+        **goals(default),
         "modes": {mode: mode_entry(result) for mode, result in modes.items()},
         "tuning": [tuning_row(knob, tried, default) for knob, tried in tuning],
     }

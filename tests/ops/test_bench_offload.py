@@ -195,6 +195,59 @@ def test_the_first_pass_sits_beside_the_measured_one_and_its_outputs_count():
     assert report["first_pass"]["outputs_identical"] is False
     assert report["outputs_identical"] is False
 
+MIB = 1 << 20
+
+
+def test_the_loads_own_figures_are_their_ms_per_mib_against_memcpy_and_what_a_hit_pays_besides():
+    """Hand-computed: memcpy 10 GB/s moves a MiB in 1,048,576 / 1e10 s = 0.1048576 ms. Three L1
+    hits load 64 MiB each in 50, 60 and 70 ms: 180 ms / 192 MiB = 0.9375 ms per MiB, 11.18% of
+    memcpy; the median hit's TTFT (0.1 s = 0.05 x the 2 s cold) less its median load (60 ms)
+    leaves 40 ms; 16,384 faults per 64 MiB hit are 256 per MiB. Disk hits loaded nothing the
+    connector counted: None, not a division by zero."""
+    from dataclasses import replace
+
+    loads = {"l1": [(64 * MIB, 0.05), (64 * MIB, 0.06), (64 * MIB, 0.07)], "disk": [(0.0, 0.0)] * 3}
+    measured = replace(_measured("lmcache_driven", l1=0.05, miss=0.02, load_gb_s=1.5), loads=loads,
+                       server_faults={"l1": [16384] * 3, "disk": [0] * 3})
+    report = _report(measured, _measured("engine_driven", 0.25, 0.2), [])
+    assert report["memcpy_ms_per_mib"] == pytest.approx(0.1048576)
+    assert report["load_ms_per_mib"] == {"l1": pytest.approx(0.9375), "disk": None}
+    assert report["load_copy_fraction_of_memcpy"]["l1"] == pytest.approx(0.1048576 / 0.9375)
+    assert report["load_mib_per_hit"]["l1"] == 64
+    assert report["load_s_per_hit"]["l1"] == pytest.approx(0.06)
+    assert report["hit_overhead_s"]["l1"] == pytest.approx(0.04)
+    assert report["server_page_faults_per_mib"] == {"l1": 256, "disk": None}
+    assert report["modes"]["lmcache_driven"]["load_ms_per_mib"] == report["load_ms_per_mib"]
+
+
+@pytest.mark.parametrize(("l1", "load_gb_s", "met"), [
+    (0.18, 1.1, {"copy_goal_met": False, "copy_moonshot_met": False, "l1_goal_met": False}),  # issue 43's AMX run
+    (0.04, 3.5, {"copy_goal_met": True, "copy_moonshot_met": False, "l1_goal_met": True}),
+    (0.04, 6.0, {"copy_goal_met": True, "copy_moonshot_met": True, "l1_goal_met": True}),
+])
+def test_the_goal_is_copy_at_030_of_memcpy_and_l1_at_005_of_recompute_with_correct_outputs(l1, load_gb_s, met):
+    report = _report(_measured("lmcache_driven", l1=l1, miss=0.0, load_gb_s=load_gb_s),
+                     _measured("engine_driven", 0.25, 0.2), [])
+    goals = report["goals"]
+    assert {key: goals[key] for key in met} == met
+    assert (goals["copy_fraction_of_memcpy_min"], goals["copy_fraction_of_memcpy_moonshot"],
+            goals["l1_ttft_ratio_max"]) == (0.30, 0.50, 0.05)
+    assert report["goal_met"] is (met["copy_goal_met"] and met["l1_goal_met"])
+    wrong = _report(_measured("lmcache_driven", l1=l1, miss=0.0, load_gb_s=load_gb_s, text="w5 w7"),
+                    _measured("engine_driven", 0.25, 0.2), [])
+    assert wrong["goal_met"] is False  # an unscored differing text counts as wrong
+
+
+def test_the_reference_models_prefill_flops_are_its_linears():
+    """Per layer of 8: q, k, v, o 1024 x 1024 each (8 KV heads x 128), gate and up 1024 x 2816,
+    down 2816 x 1024: 12,845,056 weights; x 8 x 2 FLOPs; the LM head runs for the last token only."""
+    from kvops.ops.bench.offload import REFERENCE_SHAPE
+    from kvops.ops.capacity.weights import prefill_flops_per_token
+    from kvops.ops.models.tiny import config_dict
+
+    assert prefill_flops_per_token(config_dict(REFERENCE_SHAPE)) == 2 * 8 * (4 * 1024 * 1024 + 3 * 1024 * 2816)
+
+
 def test_a_knob_is_judged_against_the_default_measured_in_the_same_run():
     default = _measured("lmcache_driven", l1=0.07, miss=0.15)
     checksums_off = Knob("verify_kv", False, True, "bench only")
