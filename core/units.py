@@ -3,3 +3,4 @@
 from __future__ import annotations
 
 GIB = 1 << 30
+MIB = 1 << 20

@@ -21,7 +21,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-MIB = 1 << 20
+from kvops.core.units import MIB
+
 COPY_GOAL = 0.30
 """Issue 43: the default mode's loads at >= 0.30 of this machine's memcpy (moonshot 0.50)."""
 COPY_MOONSHOT = 0.50

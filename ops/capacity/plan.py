@@ -51,13 +51,14 @@ from kvops.ops.capacity.outputs import kvops_settings, offload_chunk_tokens, ser
 from kvops.ops.capacity.quantization import weight_format
 from kvops.ops.capacity.scales_advice import read_scales, request_with_advice, with_scales
 from kvops.ops.capacity.tiers import (
+    machine_costs,
     prefix_curves,
     resolve_costs,
     trace_curves,
     with_offload_decision,
 )
 from kvops.ops.capacity.trace import trace_profile, trace_workload, with_trace
-from kvops.ops.capacity.weights import stage_weights
+from kvops.ops.capacity.weights import prefill_flops_per_token, stage_weights
 from kvops.ops.capacity.workload import Workload, from_file, from_quantiles, parse_quantile
 
 
@@ -160,14 +161,14 @@ def run_plan(req: PlanRequest) -> Plan:
     if trace is not None:
         plan = with_trace(plan, trace, over, kv_bytes, req.target_hit_fraction, req.host_memory_gib, profile)
     if costs is not None:
-        plan = _decide_offload(req, plan, costs, kv_bytes, trace, profile)
+        plan = _decide_offload(req, plan, costs, kv_bytes, prefill_flops_per_token(raw), trace, profile)
     if scales is not None and req.kv_scales is not None:
         plan = with_scales(plan, raw, scales, req.kv_scales, given_skips)
     return plan
 
 
 def _decide_offload(req: PlanRequest, plan: Plan, costs: tuple[OffloadCosts, str], kv_bytes: int,
-                    trace: Trace | None, profile: ReuseProfile | None) -> Plan:
+                    flops_per_token: float, trace: Trace | None, profile: ReuseProfile | None) -> Plan:
     """``--offload-mode``/``--offload-costs``: whether the sized tiers pay (kvops.ops.capacity.tiers)."""
     if trace is not None and profile is not None:
         curves = trace_curves(profile, trace.block_tokens, trace.path.name)
@@ -175,7 +176,10 @@ def _decide_offload(req: PlanRequest, plan: Plan, costs: tuple[OffloadCosts, str
         curves = prefix_curves(req.distinct_prefixes, req.prefix_tokens, plan.workload.mean,
                                plan.capacity.block_size, offload_chunk_tokens(plan.capacity.block_size))
     explicit = req.offload_mode not in (None, "auto") or req.offload_costs is not None
-    return with_offload_decision(plan, curves, costs[0], costs[1], kv_bytes, explicit, req.kvops_yaml_path)
+    mean = plan.workload.mean
+    hit_tokens = min(req.prefix_tokens, mean) if trace is None and req.prefix_tokens else mean
+    scaled = machine_costs(costs[0], req.offload_costs is not None, req.device, kv_bytes, flops_per_token, hit_tokens)
+    return with_offload_decision(plan, curves, scaled, costs[1], kv_bytes, explicit, req.kvops_yaml_path)
 
 
 def _workload(req: PlanRequest) -> Workload:

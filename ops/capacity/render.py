@@ -33,8 +33,9 @@ def _decision_lines(plan: Plan) -> list[str]:
              f"(L1 +{d.l1_hit_ratio:.1%}, disk +{d.disk_hit_ratio:.1%})",
              f"  prefill time: saved {d.prefill_saved_fraction:.1%}, miss overhead {d.miss_overhead_fraction:.1%}, "
              f"net {d.net_saved_fraction:+.1%}",
-             f"  costs: L1 hit {c.l1_ttft_ratio}x, disk hit {c.disk_ttft_ratio}x of recompute, miss "
+             f"  costs: L1 hit {c.l1_ttft_ratio:.3g}x, disk hit {c.disk_ttft_ratio:.3g}x of recompute, miss "
              f"+{c.miss_overhead_ratio:.0%}: {c.source}",
+             *([f"  hit costs: {c.derivation}"] if c.derivation else []),
              f"  reuse model: {d.reuse_model}"]
     if d.commands:  # the last command is the serve line, printed below
         lines += ["  run, with this plan's kvops.yaml (--out-dir or --yaml), then the serve line below:",

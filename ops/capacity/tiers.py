@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvops.core.errors import BadInputError
-from kvops.core.offload.costs import MEASURED, OffloadCosts, read_bench_costs
+from kvops.core.offload.costs import MEASURED, OffloadCosts, read_bench_costs, scaled_costs
 from kvops.core.plan import OffloadAdvice, OffloadDecision, Plan
 from kvops.core.trace.reuse import ReuseProfile
 from kvops.ops.capacity.constants import GIB
@@ -86,6 +86,26 @@ def resolve_costs(mode: str | None, costs_file: Path | None, device: str) -> tup
     if mode not in MEASURED:
         raise BadInputError(f"--offload-mode {mode!r}: use auto, engine_driven or lmcache_driven")
     return MEASURED[mode], f"{mode}, as --offload-mode asked"
+
+
+def machine_costs(costs: OffloadCosts, from_file: bool, device: str, kv_bytes_per_token: int,
+                  flops_per_token: float, hit_tokens: float) -> OffloadCosts:
+    """The hit ratios for this model: on --device cpu recomputed from the figures that carry over
+    (kvops.core.offload.costs.scaled_costs) where the costs have them, else the measured ratios,
+    saying why."""
+    if device != "cpu":
+        return costs.model_copy(update={"derivation": (
+            "the measured ratios: on a GPU a load crosses the host link at a share of it kvops has not "
+            "measured (kvops bench offload runs on CPU), so the CPU's ratios stand in")})
+    if costs.figures is None:
+        return costs if costs.derivation else costs.model_copy(update={"derivation": (
+            f"the measured ratios: no load figures are measured for {costs.transfer_mode}")})
+    scaled = scaled_costs(costs, kv_bytes_per_token, flops_per_token, hit_tokens)
+    if from_file:
+        return scaled
+    return scaled.model_copy(update={"derivation": (
+        f"{scaled.derivation}; the figures are kvops' reference CPU's (kvops.core.offload.costs): for this "
+        "machine's, run `kvops bench offload --json > bench.json` here and pass --offload-costs bench.json")})
 
 
 def _tokens(gib: float | None, kv_bytes_per_token: int) -> int:

@@ -228,8 +228,10 @@ OffloadMode = Annotated[str | None, typer.Option(
     "sizes from the reuse, the expected hit ratio, and 'leave it off' when the prefill time hits save is below "
     "the mode's measured miss overhead.", rich_help_panel=OFFLOAD_PANEL)]
 OffloadCosts = Annotated[Path | None, typer.Option(
-    "--offload-costs", help="The JSON of `kvops bench offload --json` from your hardware: its hit and miss "
-    "ratios (and transfer mode) replace the built-in measurements; implies --offload-mode.",
+    "--offload-costs", help="The JSON of `kvops bench offload --json` from your hardware: its load figures "
+    "(share of memcpy, fixed time per hit, memcpy and prefill rate; --device cpu: the hit ratios recomputed for "
+    "this model) or, from an older bench, its hit ratios, its miss ratio and transfer mode replace the built-in "
+    "measurements; implies --offload-mode.",
     rich_help_panel=OFFLOAD_PANEL)]
 _OUTPUT_FLAGS = ("json_out", "yaml_out", "out_dir", "config_alias")
 

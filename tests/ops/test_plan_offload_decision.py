@@ -223,3 +223,87 @@ def test_auto_on_a_cpu_plan_judges_the_zero_copy_mode_and_leaves_the_setting_aut
     assert d["transfer_mode"].startswith("lmcache_driven (auto on --device cpu")
     assert d["recommendation"] == "enable"
     assert "transfer_mode" not in doc["kvops_yaml"]["offload"]  # the plugin's own auto picks it
+
+
+# Issue 43: the hit ratios scale with the model and the machine. Llama 3.1 8B's matmul FLOPs per
+# prompt token, from its config: per layer q and o 4096 x 4096, k and v 4096 x 1024 (8 KV heads x
+# 128), gate, up and down 4096 x 14336; 32 layers; 2 FLOPs per weight (the LM head runs for the
+# last token only).
+LLAMA_FLOPS = 2 * 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+FIGURES = {"load_copy_fraction_of_memcpy": {"l1": 0.10, "disk": 0.05}, "hit_overhead_s": {"l1": 0.02, "disk": 0.04},
+           "memcpy_gb_per_s": 10.0, "cold_prefill_tokens_per_s": 1000.0, "prefill_flops_per_token": 2.0e8}
+CPU = ("--device", "cpu", "--memory-gib", "64")
+
+
+def hand_ratio(copy_fraction: float, overhead_s: float, hit_tokens: int) -> float:
+    """FIGURES' machine: a hit loads tokens x 131,072 B at copy_fraction x 10 GB/s plus the fixed
+    time; recomputing runs at 1,000 tokens/s x 2e8 / LLAMA_FLOPS."""
+    load_s = hit_tokens * KV_BYTES / (copy_fraction * 10e9) + overhead_s
+    return load_s / (hit_tokens / (1000.0 * 2.0e8 / LLAMA_FLOPS))
+
+
+def test_a_cpu_plan_recomputes_the_hit_ratios_from_the_bench_files_machine_figures(tmp_path):
+    """1,000-token prefixes of 5,000-token requests: a hit loads 1,000 tokens (125 MiB); at
+    14.3 tokens/s of Llama 3.1 8B (1,000 of a 2e8-FLOP model) recomputing them takes ~70 s."""
+    costs = bench_json(tmp_path / "bench.json", transfer_mode="lmcache_driven", **FIGURES)
+    doc = prefixes("auto", 10_000, 1000, 5000, *CPU, "--offload-costs", str(costs))
+    c = doc["offload_decision"]["costs"]
+    assert c["l1_ttft_ratio"] == pytest.approx(hand_ratio(0.10, 0.02, 1000), rel=1e-5)
+    assert c["disk_ttft_ratio"] == pytest.approx(hand_ratio(0.05, 0.04, 1000), rel=1e-5)
+    assert c["miss_overhead_ratio"] == 0.01  # the file's, as measured
+    assert c["derivation"].startswith("recomputed for this model on the measuring machine: a hit of 1,000 tokens "
+                                      "loads 125.0 MiB at 10.0% (L1) / 5.0% (disk) of 10.0 GB/s memcpy")
+    d = doc["offload_decision"]
+    gpu = 0.2 * min(1, (doc["capacity"]["kv_cache_size_tokens"] // 1024) / 10_000)
+    saved, overhead = time_model((c["l1_ttft_ratio"], c["disk_ttft_ratio"], 0.01), gpu, 0.2, 0.2)
+    assert (d["prefill_saved_fraction"], d["miss_overhead_fraction"]) == (round(saved, 4), round(overhead, 4))
+    text = invoke("--max-model-len", "8192", "--p50", "5000", "--distinct-prefixes", "10000", "--prefix-tokens",
+                  "1000", "--offload-mode", "auto", *CPU, "--offload-costs", str(costs)).stdout
+    assert "  hit costs: recomputed for this model on the measuring machine" in text
+
+
+def test_a_faster_prefill_on_the_same_copy_makes_a_hit_weigh_more(tmp_path):
+    """Issue 43's point: the load is the transfer's, the recompute the machine's; three times the
+    prefill rate at the same copy share triples the ratio, bar nothing."""
+    slow = bench_json(tmp_path / "slow.json", transfer_mode="lmcache_driven", **FIGURES)
+    fast = bench_json(tmp_path / "fast.json", transfer_mode="lmcache_driven",
+                      **{**FIGURES, "cold_prefill_tokens_per_s": 3000.0})
+    ratios = [prefixes("auto", 10_000, 1000, 5000, *CPU, "--offload-costs", str(f))["offload_decision"]["costs"]
+              ["l1_ttft_ratio"] for f in (slow, fast)]
+    assert ratios[1] == pytest.approx(3 * ratios[0], rel=1e-4)
+
+
+def test_a_bench_file_without_the_figures_keeps_its_measured_ratios_and_says_so(tmp_path):
+    costs = bench_json(tmp_path / "old.json", transfer_mode="lmcache_driven")
+    c = prefixes("auto", 10_000, 1000, 5000, *CPU, "--offload-costs", str(costs))["offload_decision"]["costs"]
+    assert (c["l1_ttft_ratio"], c["disk_ttft_ratio"], c["figures"]) == (0.05, 0.08, None)
+    assert c["derivation"].startswith(f"the measured ratios: {costs} has no load_copy_fraction_of_memcpy.l1 "
+                                      "(an older kvops bench offload)")
+
+
+def test_a_gpu_plan_keeps_the_measured_ratios_and_says_why(tmp_path):
+    costs = bench_json(tmp_path / "bench.json", **FIGURES)
+    c = prefixes("engine_driven", 10_000, 1000, 5000, "--offload-costs", str(costs))["offload_decision"]["costs"]
+    assert (c["l1_ttft_ratio"], c["disk_ttft_ratio"]) == (0.05, 0.08)
+    assert c["derivation"].startswith("the measured ratios: on a GPU a load crosses the host link")
+
+
+def test_the_built_in_cpu_costs_scale_too_and_name_the_reference_machine():
+    """core/offload/costs.py's reference CPU: 13.8% of 14.5 GB/s, 35 ms fixed per L1 hit, 1,280
+    tokens/s of the 205,520,896-FLOP reference model."""
+    c = prefixes("auto", 10_000, 1000, 5000, *CPU)["offload_decision"]["costs"]
+    load_s = 1000 * KV_BYTES / (0.138 * 14.5e9) + 0.035
+    assert c["l1_ttft_ratio"] == pytest.approx(load_s / (1000 / (1280 * 205_520_896 / LLAMA_FLOPS)), rel=1e-5)
+    assert "kvops' reference CPU's" in c["derivation"]
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"load_copy_fraction_of_memcpy": {"l1": 0, "disk": 0.05}}, "load_copy_fraction_of_memcpy.l1 is 0, not a number > 0"),
+    ({"hit_overhead_s": {"l1": 0.02, "disk": -0.1}}, "hit_overhead_s.disk is -0.1, not a number >= 0"),
+    ({"cold_prefill_tokens_per_s": "fast"}, "cold_prefill_tokens_per_s is 'fast'"),
+])
+def test_bad_figures_exit_2_naming_the_key(tmp_path, fields, message):
+    costs = bench_json(tmp_path / "bench.json", transfer_mode="lmcache_driven", **{**FIGURES, **fields})
+    res = invoke("--max-model-len", "8192", *CPU, "--offload-costs", str(costs))
+    assert res.exit_code == 2
+    assert message in res.stderr
