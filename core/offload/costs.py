@@ -167,7 +167,10 @@ def scaled_costs(costs: OffloadCosts, kv_bytes_per_token: int, flops_per_token: 
     """``costs`` with its hit ratios recomputed for a model of ``kv_bytes_per_token`` and
     ``flops_per_token`` whose hits load ``hit_tokens`` tokens, on the machine that measured the
     figures: load = bytes / (copy share × memcpy) + the fixed time, recompute = tokens / (its
-    prefill rate × its FLOPs per token / this model's). Without figures: unchanged."""
+    prefill rate × its FLOPs per token / this model's). Without figures: unchanged. The ratio is
+    against a prefill without the connector, where a measured one is against the offload server's
+    cold TTFT: the planner's × (1 + miss overhead) then counts the miss cost on it once more, a
+    conservative few percent."""
     fig = costs.figures
     if fig is None or flops_per_token <= 0 or hit_tokens <= 0:
         return costs
