@@ -48,10 +48,14 @@ _NEW_ACCOUNTING = {"text": "vLLM {v}: accounted as 0.32 (CUDA-graph estimate ded
                            "the planner's default size: the log does not print it; default utilization 0.92)"}
 
 
+def version_tuple(version: str) -> tuple[int, int]:
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return major, minor
+
+
 def accounting(version: str) -> dict[str, Any]:
     """How a logging vLLM version sized KV where it differs from 0.32 (research/planner.md §1.2, §1.7)."""
-    major, minor = (int(x) for x in version.split(".")[:2])
-    chosen = _OLD_ACCOUNTING if (major, minor) < (0, 21) else _NEW_ACCOUNTING
+    chosen = _OLD_ACCOUNTING if version_tuple(version) < (0, 21) else _NEW_ACCOUNTING
     return {**chosen, "text": str(chosen["text"]).format(v=version)}
 
 
@@ -160,7 +164,7 @@ def compare(run: LoggedRun, config: Path) -> dict[str, Any]:
     """One run: the plan's weights, available KV and tokens against the log's."""
     req = _request(run, config)
     plan = run_plan(req)
-    weights, available = _first_stage(run, req, plan)
+    weights, available, layout = _logged_worker(run, req, plan)
     lo, hi = (round((run.available_kv_gib + d) * GIB) for d in (-_ROUNDING_GIB, _ROUNDING_GIB))
     tokens = _token_counter(run, req, plan)
     tokens_lo, tokens_hi = tokens(lo), tokens(hi)
@@ -174,30 +178,35 @@ def compare(run: LoggedRun, config: Path) -> dict[str, Any]:
                    "kv_cache_tokens": run.kv_cache_tokens},
         "predicted": {"weights_gib": round(weights, 3), "available_kv_gib": round(available, 3),
                       "kv_cache_tokens": tokens(plan.capacity.available_kv_bytes),
-                      "non_kv": plan.non_kv.model_dump(), "weights_source": plan.non_kv_sources.weights_gib},
+                      "non_kv": plan.non_kv.model_dump(), "weights_source": plan.non_kv_sources.weights_gib,
+                      "weights_layout": layout},
         "weights_error_pct": _pct(weights, run.weights_gib),
         "available_kv_error_pct": _pct(available, run.available_kv_gib),
         "kv_tokens_from_logged_available": [tokens_lo, tokens_hi],
         # with pipeline stages the log's available KV is stage 0's and its tokens the smallest stage's
         "kv_tokens_exact": tokens_lo <= run.kv_cache_tokens <= tokens_hi if run.pp == 1 else None,
         "accounting": accounting(run.vllm_version)["text"]
+        + (f"; weights: {layout}" if layout else "")
         + ("; the log's figures are pipeline stage 0's, which holds the embedding and runs no sampler: the plan "
            "sizes the last stage, so stage 0 is predicted from the same terms" if run.pp > 1 else ""),
     }
 
 
-def _first_stage(run: LoggedRun, req: PlanRequest, plan: Plan) -> tuple[float, float]:
-    """(weights, available KV) GiB of the first stage's TP0 worker, the one whose lines the log holds."""
-    weights = plan.non_kv.weights_gib
-    if run.pp == 1:
-        return weights, plan.available_kv_gib
+def _logged_worker(run: LoggedRun, req: PlanRequest, plan: Plan) -> tuple[float, float, str | None]:
+    """(weights, available KV) GiB of the first stage's TP0 worker, the one whose lines the log holds,
+    with its weights laid out as the logging vLLM did (mxfp4 experts on Hopper: 0.19 kept the
+    checkpoint's scales beside the swizzled ones, capacity/mxfp4.py), and that layout (None: the
+    checkpoint's own)."""
     raw = load_config(req.config)
-    dtype = model_dtype(text_config(raw), req.dtype)
-    fmt = weight_format(text_config(raw).get("quantization_config"), req.quantization)
+    cfg = text_config(raw)
+    dtype = model_dtype(cfg, req.dtype)
+    fmt = weight_format(cfg.get("quantization_config"), req.quantization, req.gpu, version_tuple(run.vllm_version))
     first = stage_weights(raw, dtype, fmt, run.tp, run.pp).per_stage_bytes[0] / GIB
-    shape = activation_shape(raw, dtype, run.tp, run.pp)
-    sampler = shape.sampler_gib(plan.max_num_seqs_why.caps["vllm_default"], plan.max_num_batched_tokens)
-    return first, plan.available_kv_gib + (weights - first) + sampler
+    available = plan.available_kv_gib + (plan.non_kv.weights_gib - first)
+    if run.pp > 1:  # stage 0 runs no sampler
+        shape = activation_shape(raw, dtype, run.tp, run.pp)
+        available += shape.sampler_gib(plan.max_num_seqs_why.caps["vllm_default"], plan.max_num_batched_tokens)
+    return first, available, fmt.source if fmt is not None and fmt.expert_layout is not None else None
 
 
 def run(paths: tuple[Path, ...] = (LOGS, PUBLIC_LOGS)) -> dict[str, Any]:

@@ -61,6 +61,12 @@ GPU_CATALOG_GIB: Final[dict[str, float]] = {
     "RTX4090": 23.54,
     "GB10": 121.69,
 }
+# Compute capability (major·10 + minor) of each catalog GPU: which kernel backends vLLM picks
+# for it (the mxfp4 MoE layout on SM90, capacity/mxfp4.py).
+GPU_SM: Final[dict[str, int]] = {
+    "H100": 90, "H100-80GB": 90, "H200": 90, "B200": 100, "A100-80GB": 80, "A100": 80, "A100-40GB": 80,
+    "L40S": 89, "RTX3090": 86, "RTX4090": 89, "GB10": 121,
+}
 
 # Non-KV memory defaults for vLLM 0.32 on CUDA, GiB per GPU (planner.md §3.6, measured at
 # v0.19; overridable on the command line and by a calibration file from `kvops verify`).

@@ -231,7 +231,7 @@ def _weights(req: PlanRequest, raw: dict[str, Any]) -> tuple[int, str]:
                                 "checkpoint's bytes; drop --quantization")
         return safetensors_bytes(req.model_dir) // ranks, WEIGHTS_FROM_HEADERS
     cfg = text_config(raw)
-    fmt = weight_format(cfg.get("quantization_config"), req.quantization)
+    fmt = weight_format(cfg.get("quantization_config"), req.quantization, req.gpu if req.device == "cuda" else None)
     dtype = model_dtype(cfg, req.dtype)
     weights = stage_weights(raw, dtype, fmt, req.tensor_parallel_size, req.pipeline_parallel_size,
                             parse_pp_layer_partition(req.pp_layer_partition))

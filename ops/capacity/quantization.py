@@ -12,10 +12,11 @@ model dtype; ``lm_head`` too unless the method names it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvops.core.errors import BadInputError
+from kvops.ops.capacity.mxfp4 import TARGET_VLLM, HopperMxfp4Layout, mxfp4_layout
 
 # vLLM's --quantization names that load a bf16/fp16 checkpoint and quantize it on the fly
 # (model_executor/layers/quantization/fp8.py Fp8Config with is_checkpoint_fp8_serialized=False,
@@ -42,6 +43,7 @@ class WeightFormat:
     experts_only: bool = False  # mxfp4 / experts_int8: attention and dense MLPs keep the model dtype
     lm_head: bool = False  # the method quantizes lm_head too
     source: str = ""
+    expert_layout: HopperMxfp4Layout | None = None  # experts as the device's kernel lays them out
 
 
 def _num(value: object, field: str, *, minimum: float = 1) -> int:
@@ -114,8 +116,12 @@ def _fp8(cfg: Mapping[str, Any]) -> WeightFormat:
     return WeightFormat("fp8", 1.0, source="fp8 per-tensor")
 
 
-def weight_format(quantization_config: object, quantization: str | None) -> WeightFormat | None:
-    """The checkpoint's format, or the --quantization method applied while loading; None: unquantized."""
+def weight_format(quantization_config: object, quantization: str | None, gpu: str | None = None,
+                  vllm_version: tuple[int, int] = TARGET_VLLM) -> WeightFormat | None:
+    """The checkpoint's format, or the --quantization method applied while loading; None: unquantized.
+
+    ``gpu`` (a catalog name) and ``vllm_version`` choose the kernel layout where it is not the
+    checkpoint's packing (mxfp4 experts on Hopper, capacity/mxfp4.py)."""
     if quantization_config is None:
         if quantization is None:
             return None
@@ -127,7 +133,9 @@ def weight_format(quantization_config: object, quantization: str | None) -> Weig
         raise BadInputError(f"--quantization {quantization} does not match the checkpoint's "
                             f"quantization_config.quant_method {method!r}; drop --quantization (vLLM reads the "
                             "checkpoint's) or pass the checkpoint's method")
-    return _checkpoint(quantization_config, method)
+    fmt = _checkpoint(quantization_config, method)
+    layout = mxfp4_layout(gpu, vllm_version) if fmt.method == "mxfp4" else None
+    return replace(fmt, expert_layout=layout, source=layout.source) if layout else fmt
 
 
 def _checkpoint(cfg: Mapping[str, Any], method: str) -> WeightFormat:

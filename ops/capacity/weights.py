@@ -47,18 +47,31 @@ class RankParams:
     lm_head: int = 0
     other: int = 0  # norms, biases, routers, vision tower, rotary caches: always the model dtype
     notes: tuple[str, ...] = field(default=())
+    expert_bias: int = 0  # biased experts (gpt-oss): the model dtype, unless a kernel layout recasts them
+    expert_shape: tuple[int, int] = (0, 0)  # (hidden, per-rank width) of the MoE layers' experts
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.experts + self.expert_bias + self.embedding + self.lm_head + self.other
 
     def __add__(self, o: RankParams) -> RankParams:
         return RankParams(self.linear + o.linear, self.linear_rows + o.linear_rows, self.experts + o.experts,
                           self.expert_rows + o.expert_rows, self.embedding + o.embedding,
-                          self.lm_head + o.lm_head, self.other + o.other, self.notes + o.notes)
+                          self.lm_head + o.lm_head, self.other + o.other, self.notes + o.notes,
+                          self.expert_bias + o.expert_bias, max(self.expert_shape, o.expert_shape))
 
     def bytes(self, dtype_bytes: int, fmt: WeightFormat | None) -> int:
         """Bytes on the device: quantized tensors at the format's size, the rest in the model dtype."""
         if fmt is None:
-            return dtype_bytes * (self.linear + self.experts + self.embedding + self.lm_head + self.other)
+            return dtype_bytes * self.total
         kept = self.embedding + self.other + (0 if fmt.lm_head else self.lm_head)
-        quant_experts = self.experts * fmt.per_element + self.expert_rows * fmt.per_row
+        hidden, width = self.expert_shape
+        if fmt.expert_layout is not None and self.experts:  # experts (and their biases) as the kernel lays them out
+            quant_experts: float = self.experts // (3 * hidden * width) * fmt.expert_layout.expert_bytes(
+                hidden, width, biased=self.expert_bias > 0)
+        else:
+            quant_experts = self.experts * fmt.per_element + self.expert_rows * fmt.per_row
+            kept += self.expert_bias
         if fmt.experts_only:
             kept += self.linear
             quantized = quant_experts
@@ -131,9 +144,10 @@ def _experts(cfg: Mapping[str, Any], tp: int) -> RankParams:
     count = _num_experts(cfg)
     width = _split(config_count(cfg, "moe_intermediate_size") or config_count(cfg, "intermediate_size"), tp, "moe_intermediate_size")
     params = RankParams(experts=count * 3 * hidden * width, expert_rows=count * (2 * width + hidden),
-                        other=hidden * count + (count if cfg.get("model_type") in ("gpt_oss", "deepseek_v3") else 0))
+                        other=hidden * count + (count if cfg.get("model_type") in ("gpt_oss", "deepseek_v3") else 0),
+                        expert_shape=(hidden, width))
     if cfg.get("model_type") == "gpt_oss":  # biased experts and router
-        params += RankParams(other=count * (2 * width + hidden))
+        params += RankParams(expert_bias=count * (2 * width + hidden))
     shared = config_count(cfg, "n_shared_experts") * config_count(cfg, "moe_intermediate_size")
     shared = shared or config_count(cfg, "shared_expert_intermediate_size")
     if cfg.get("model_type") == "llama4_text":  # one shared expert of the routed experts' width (models/llama4.py)
@@ -261,9 +275,7 @@ def stage_weights(raw: Mapping[str, Any], dtype: str, fmt: WeightFormat | None, 
                   partition: tuple[int, ...] | None = None) -> StageWeights:
     dtype_bytes = int(MODEL_DTYPE_BYTES[dtype])
     stages = rank_params(raw, tp, pp, partition)
-    whole = rank_params(raw)[0]
-    total = whole.linear + whole.experts + whole.embedding + whole.lm_head + whole.other
-    return StageWeights(tuple(s.bytes(dtype_bytes, fmt) for s in stages), total)
+    return StageWeights(tuple(s.bytes(dtype_bytes, fmt) for s in stages), rank_params(raw)[0].total)
 
 
 def prefill_flops_per_token(raw: Mapping[str, Any]) -> float:

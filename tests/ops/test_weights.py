@@ -14,7 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvops.core.errors import BadInputError
-from kvops.ops.bench.gpu_logs import LOGS, PUBLIC_LOGS, find_config, read_runs
+from kvops.ops.bench.gpu_logs import LOGS, PUBLIC_LOGS, find_config, read_runs, version_tuple
+from kvops.ops.capacity.constants import GPU_CATALOG_GIB, GPU_SM
 from kvops.ops.capacity.model import model_dtype, text_config
 from kvops.ops.capacity.quantization import weight_format
 from kvops.ops.capacity.weights import rank_params, stage_weights
@@ -58,7 +59,7 @@ def _hf_config(family: str) -> tuple[dict[str, Any], int]:
 def test_parameters_counted_as_transformers_builds_the_model(family: str) -> None:
     raw, expected = _hf_config(family)
     params = rank_params(raw)[0]
-    total = params.linear + params.experts + params.embedding + params.lm_head + params.other
+    total = params.total
     positions = raw["max_position_embeddings"]
     rotary_dim = raw.get("qk_rope_head_dim") or raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
     rotary = positions * int(rotary_dim * raw.get("partial_rotary_factor", 1.0))  # vLLM's cos/sin cache, not in HF
@@ -79,15 +80,36 @@ def _logged_cases() -> list[Any]:
 def test_weights_of_one_rank_match_vllms_model_loading_line(run: Any, config: Path) -> None:
     raw = json.loads(config.read_text())
     cfg = text_config(raw)
-    fmt = weight_format(cfg.get("quantization_config"), run.args.get("quantization"))
+    fmt = weight_format(cfg.get("quantization_config"), run.args.get("quantization"), run.catalog_gpu(),
+                        version_tuple(run.vllm_version))
     weights = stage_weights(raw, model_dtype(cfg, run.args.get("dtype")), fmt, run.tp, run.pp)
     error = weights.per_stage_bytes[0] / GIB / run.weights_gib - 1  # the log is the first stage's TP0 worker
-    if fmt is not None and fmt.method == "mxfp4":
-        # vLLM lays mxfp4 experts out per kernel backend on Hopper (padding, swizzled scales:
-        # fused_moe/oracle/mxfp4.py); the estimate counts the checkpoint's packed bytes only.
-        assert -0.10 < error < 0
-    else:
-        assert abs(error) < 0.01, f"{weights.per_stage_bytes[0] / GIB:.3f} GiB vs logged {run.weights_gib}"
+    assert abs(error) < 0.01, f"{weights.per_stage_bytes[0] / GIB:.3f} GiB vs logged {run.weights_gib}"
+
+
+GPT_OSS_20B = Path(__file__).parents[2] / "../shared/fixtures/model-configs/openai--gpt-oss-20b.json"
+
+
+def _gpt_oss_gib(gpu: str | None, version: tuple[int, int] = (0, 32), tp: int = 2) -> float:
+    raw = json.loads(GPT_OSS_20B.read_text())
+    fmt = weight_format(raw["quantization_config"], None, gpu, version)
+    return stage_weights(raw, "bfloat16", fmt, tp).max_bytes / GIB
+
+
+def test_mxfp4_experts_take_hoppers_triton_layout_only_on_sm90() -> None:
+    """gpt-oss-20b TP2 (vLLM 0.19, H100: 'Model loading took 7.01 GiB'): the checkpoint's packing
+    alone is 6.43 GiB; on SM90 the swizzled, padded layout, with 0.19's kept scales 6.97 and
+    0.32's freed ones 6.70; GPUs whose layout is not modelled keep the checkpoint's bytes."""
+    packed = _gpt_oss_gib(None)
+    assert round(packed, 2) == 6.43
+    assert _gpt_oss_gib("H100", (0, 19)) == pytest.approx(7.01, rel=0.01)
+    assert _gpt_oss_gib("H100", (0, 19)) > _gpt_oss_gib("H100") > packed
+    assert _gpt_oss_gib("H200") == _gpt_oss_gib("H100")
+    assert _gpt_oss_gib("A100") == _gpt_oss_gib("B200") == packed
+
+
+def test_every_catalog_gpu_has_a_compute_capability() -> None:
+    assert set(GPU_SM) == set(GPU_CATALOG_GIB)
 
 
 def test_quantized_checkpoint_is_read_from_config() -> None:
