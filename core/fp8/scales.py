@@ -102,6 +102,39 @@ def scale_from_absmax(absmax: float, fmt: str, margin: float = DEFAULT_MARGIN) -
     return absmax * margin / FORMAT_MAX[fmt]
 
 
+DEFAULT_SEARCH_STEPS = 16
+"""Candidate scales per octave in ``candidate_scales``: lattices 2^(1/16) apart (4.4%)."""
+
+ScaleMethod = Literal["absmax", "output-search", "scale1-fallback"]
+"""How a scales file's scales were chosen: ``absmax`` (scale_from_absmax), ``output-search``
+(kvops.ops.fp8.scale_search: per layer, the candidate that least changes the layer's attention
+output), ``scale1-fallback`` (the search's scales did worse than 1.0 on the calibration text,
+so 1.0 everywhere)."""
+
+
+def _float32(value: float) -> float:
+    """The float32 nearest ``value``: vLLM holds a layer's scale in a float32 tensor, so a
+    scale written as float32 is served exactly as it was scored."""
+    return float(struct.unpack("<f", struct.pack("<f", value))[0])
+
+
+def candidate_scales(absmax: float, fmt: str, margin: float = DEFAULT_MARGIN,
+                     steps: int = DEFAULT_SEARCH_STEPS) -> list[float]:
+    """The scales a search tries for a tensor whose largest value is ``absmax``: one octave from
+    the absmax scale, ``steps`` apart, and 1.0.
+
+    An fp8 value's relative error is the same anywhere in the normal range, so two scales an
+    octave apart put the normal values on the same lattice; one octave up from
+    scale_from_absmax offers every lattice there is, none saturating within the margin, with
+    the fewest values in the subnormals. 1.0 is what vLLM runs without scales: a search that
+    includes it cannot score worse than it."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    base = scale_from_absmax(absmax, fmt, margin)
+    found = {_float32(base * 2.0 ** (j / steps)) for j in range(steps)} | {1.0}
+    return sorted(found)
+
+
 class ModelFingerprint(BaseModel):
     """What a scales file must agree with to be applied to a model."""
 
@@ -173,6 +206,12 @@ class LayerScales(BaseModel):
     """Mean next-token KL divergence from bf16 KV with only this layer's KV in fp8 (calibrated
     scales), on the calibration prompts: what this layer's fp8 costs."""
     perplexity_ratio_alone: float | None = None
+    k_output_error: float | None = None
+    """Relative RMS change of this layer's attention output (after o_proj) with only K in fp8
+    at k_scale, on the calibration prompts: what the scale search minimizes."""
+    k_output_error_scale1: float | None = None
+    v_output_error: float | None = None
+    v_output_error_scale1: float | None = None
 
     @field_validator("k_scale", "v_scale")
     @classmethod
@@ -214,6 +253,10 @@ class ScalesFile(BaseModel):
     format_version: Annotated[int, Field(ge=1)] = SCALES_FORMAT_VERSION
     dtype: Fp8Format
     margin: Annotated[float, Field(gt=0, allow_inf_nan=False)] = DEFAULT_MARGIN
+    scale_method: ScaleMethod = "absmax"
+    """How the scales were chosen (ScaleMethod); files written before the search say absmax."""
+    search_steps: Annotated[int, Field(ge=1)] | None = None
+    """Candidates per octave the search tried (output-search only)."""
     model: ModelFingerprint
     vllm_version: str = ""
     tokens_seen: Annotated[int, Field(ge=0)] = 0

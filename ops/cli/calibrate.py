@@ -32,12 +32,15 @@ def calibrate(
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 16,
     log: Annotated[Path, typer.Option(help="Where the recording server logs.")] = Path("kvops-calibrate.log"),
     sensitivity_tokens: Annotated[int, typer.Option(
-        help="Prompt tokens the offline per-layer accuracy sweep scores (0: skip it).")] = 2048,
+        help="Prompt tokens the offline scale search and per-layer accuracy sweep score (0: skip both).")] = 2048,
+    search_steps: Annotated[int, typer.Option(
+        help="Candidate scales per octave the offline search tries per layer (0: keep absmax × margin).")] = 16,
     threshold: Annotated[float, typer.Option(
         help="Perplexity ratio to bf16 KV the skip-layer advice aims for.")] = 1.005,
 ) -> None:
     """Serve MODEL with the plugin recording K/V, send the prompts, write per-layer scales, then
-    measure offline what each layer's fp8 KV costs and which layers to keep in bf16."""
+    offline: search each layer's scales by its attention output error, measure what each layer's
+    fp8 KV costs and which layers to keep in bf16."""
     from kvops.ops.fp8.calibrate import CalibrationRequest, resolve_prompts, write_scales
     from kvops.ops.fp8.calibrate import calibrate as run_calibration
 
@@ -48,8 +51,9 @@ def calibrate(
     dtype = fmt
     if not out.parent.is_dir():
         raise BadInputError(f"--out {out}: directory {out.parent} does not exist")
-    if sensitivity_tokens < 0 or not threshold >= 1.0:
-        raise BadInputError("--sensitivity-tokens must be >= 0 and --threshold >= 1.0 (a perplexity ratio)")
+    if sensitivity_tokens < 0 or search_steps < 0 or not threshold >= 1.0:
+        raise BadInputError("--sensitivity-tokens and --search-steps must be >= 0 and --threshold >= 1.0 "
+                            "(a perplexity ratio)")
     if not margin >= 1.0:
         raise BadInputError(f"--margin {margin}: must be >= 1.0 (values above the scale saturate)")
     prompt_list = tuple(resolve_prompts(prompts, synthetic))
@@ -58,6 +62,11 @@ def calibrate(
     )
     with typer.progressbar(length=len(prompt_list), label="calibrating", file=None) as bar:
         scales = run_calibration(request, log_path=log, progress=bar.update)
+    if sensitivity_tokens and search_steps:
+        from kvops.ops.fp8.calibrate_accuracy import with_searched_scales
+
+        with typer.progressbar(length=len(scales.layers), label="per-layer scale search", file=None) as bar:
+            scales = with_searched_scales(scales, model, prompt_list, sensitivity_tokens, search_steps, bar.update)
     if sensitivity_tokens:
         from kvops.ops.fp8.calibrate_accuracy import with_accuracy
 
@@ -71,7 +80,7 @@ def calibrate(
 def calibrate_lines(scales: ScalesFile, out: Path) -> list[str]:
     """What was written and what it means: saturation/subnormal shares at scale 1.0 vs the
     calibrated scales (the only places the scale changes fp8's error), then the accuracy."""
-    from kvops.ops.fp8.calibrate_accuracy import summary_lines
+    from kvops.ops.fp8.calibrate_accuracy import method_lines, summary_lines
 
     def worst(field: str) -> float:
         return max((getattr(s, field) or 0.0) for s in scales.layers.values())
@@ -81,4 +90,4 @@ def calibrate_lines(scales: ScalesFile, out: Path) -> list[str]:
              f"calibrated: {max(worst('k_saturated'), worst('v_saturated')):.2%}; below fp8's smallest normal "
              f"at 1.0: {max(worst('k_subnormal_scale1'), worst('v_subnormal_scale1')):.2%}, calibrated: "
              f"{max(worst('k_subnormal'), worst('v_subnormal')):.2%}, worst layer)"]
-    return lines + (summary_lines(scales.accuracy) if scales.accuracy else [])
+    return lines + method_lines(scales) + (summary_lines(scales.accuracy) if scales.accuracy else [])

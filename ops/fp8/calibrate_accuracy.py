@@ -1,4 +1,5 @@
-"""The step after ``kvops calibrate`` records scales: what each layer's fp8 KV costs, and which
+"""The steps after ``kvops calibrate`` records scales: the per-layer scale search
+(kvops.ops.fp8.scale_search, on the recorded absmax), what each layer's fp8 KV costs, and which
 layers to keep in bf16 (vLLM's ``--kv-cache-dtype-skip-layers``), written into the scales file.
 
 Route: offline (kvops.ops.fp8.offline), not servers with --kv-cache-dtype-skip-layers. A
@@ -12,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvops.core.fp8.scales import AccuracySummary, ScalesFile
+from kvops.core.fp8.scales import DEFAULT_SEARCH_STEPS, AccuracySummary, LayerScales, ScalesFile
 from kvops.ops.fp8.check import layer_scales
 from kvops.ops.fp8.offline import fp8_plan, load_offline_model
 from kvops.ops.fp8.sensitivity import (
@@ -24,6 +25,9 @@ from kvops.ops.fp8.sensitivity import (
     measure,
     reference,
 )
+
+if TYPE_CHECKING:
+    from kvops.ops.fp8.scale_search import LayerSearch
 
 DEFAULT_TOKEN_BUDGET = 2048
 """Tokens of calibration prompts the sweep scores (SmolLM2: ~10 s a forward on two idle cores)."""
@@ -41,6 +45,50 @@ def within_budget(sequences: Sequence[Any], budget: int) -> list[Any]:
     return [ids for ids in kept if len(ids) >= 2]
 
 
+def _layer_names(scales: ScalesFile) -> list[str]:
+    return sorted(scales.layers, key=lambda n: [int(p) for p in n.split(".") if p.isdigit()] or [-1])
+
+
+def with_searched_scales(scales: ScalesFile, model_dir: Path, prompts: Sequence[str],
+                         token_budget: int = DEFAULT_TOKEN_BUDGET, steps: int = DEFAULT_SEARCH_STEPS,
+                         progress: Callable[[int], None] | None = None) -> ScalesFile:
+    """scales with each layer's k_scale / v_scale from the output-error search (candidates from
+    the absmax the server recorded), or 1.0 everywhere where the search did worse on these
+    prompts; the file says which (scale_method)."""
+    from kvops.ops.fp8.scale_search import guard_scale1, search_scales
+
+    model = load_offline_model(model_dir)
+    sequences = within_budget(model.encode(list(prompts), MAX_TOKENS_PER_PROMPT), token_budget)
+    if not sequences:
+        return scales
+    names = _layer_names(scales)
+    recorded = [(scales.layers[n].k_absmax or 0.0, scales.layers[n].v_absmax or 0.0) for n in names]
+    found = search_scales(model, sequences, scales.dtype, recorded, scales.margin, steps, progress)
+    _, method = guard_scale1(model, sequences, [(f.k.scale, f.v.scale) for f in found], scales.dtype)
+    layers = {name: _searched_layer(scales.layers[name], search, method == "scale1-fallback")
+              for name, search in zip(names, found, strict=True)}
+    return scales.model_copy(update={"layers": {**scales.layers, **layers}, "scale_method": method,
+                                     "search_steps": steps})
+
+
+def _searched_layer(layer: LayerScales, search: LayerSearch, fallback: bool) -> LayerScales:
+    """The layer's entry with the search's scales and figures (1.0's where it fell back)."""
+    update: dict[str, float | None] = {
+        "k_output_error_scale1": search.k.error_scale1, "v_output_error_scale1": search.v.error_scale1}
+    if fallback:
+        update.update(k_scale=1.0, v_scale=1.0, k_output_error=search.k.error_scale1,
+                      v_output_error=search.v.error_scale1, k_error=layer.k_error_scale1,
+                      v_error=layer.v_error_scale1, k_saturated=layer.k_saturated_scale1,
+                      k_subnormal=layer.k_subnormal_scale1, v_saturated=layer.v_saturated_scale1,
+                      v_subnormal=layer.v_subnormal_scale1)
+    else:
+        for kind, found in (("k", search.k), ("v", search.v)):
+            update.update({f"{kind}_scale": found.scale, f"{kind}_output_error": found.error,
+                           f"{kind}_error": found.value_error, f"{kind}_saturated": found.saturated,
+                           f"{kind}_subnormal": found.subnormal})
+    return layer.model_copy(update=update)
+
+
 def with_accuracy(scales: ScalesFile, model_dir: Path, prompts: Sequence[str],
                   threshold: float = DEFAULT_THRESHOLD, token_budget: int = DEFAULT_TOKEN_BUDGET,
                   progress: Callable[[int], None] | None = None) -> ScalesFile:
@@ -55,7 +103,7 @@ def with_accuracy(scales: ScalesFile, model_dir: Path, prompts: Sequence[str],
     scale1 = measure(model, ref, fp8_plan([(1.0, 1.0)] * len(per_layer), fmt))
     costs = layer_costs(model, ref, per_layer, fmt, progress)
     advice = advise_skip_layers(model, ref, per_layer, fmt, costs, threshold)
-    names = sorted(scales.layers, key=lambda n: [int(p) for p in n.split(".") if p.isdigit()] or [-1])
+    names = _layer_names(scales)
     layers = {name: scales.layers[name].model_copy(update={
         "kl_alone": cost.mean_kl, "perplexity_ratio_alone": cost.perplexity_ratio})
         for name, cost in zip(names, costs, strict=True)}
@@ -71,6 +119,23 @@ def with_accuracy(scales: ScalesFile, model_dir: Path, prompts: Sequence[str],
         safe=advice.safe,
     )
     return scales.model_copy(update={"layers": {**scales.layers, **layers}, "accuracy": summary})
+
+
+def method_lines(scales: ScalesFile) -> list[str]:
+    """How the scales were chosen and, for the search, what it bought per layer (mean over layers
+    of the relative change of the attention output, K and V in fp8 alone)."""
+    if scales.scale_method == "absmax":
+        return [f"scales: absmax × {scales.margin:g} / the format's max (no offline search)"]
+    if scales.scale_method == "scale1-fallback":
+        return ["scales: 1.0 in every layer (the searched scales did worse than 1.0 on the calibration prompts)"]
+
+    def mean(field: str) -> float:
+        found = [getattr(s, field) for s in scales.layers.values() if getattr(s, field) is not None]
+        return sum(found) / len(found) if found else 0.0
+
+    return [f"scales: searched per layer ({scales.search_steps} per octave) for the least change of its "
+            f"attention output: K {mean('k_output_error'):.4f} (1.0: {mean('k_output_error_scale1'):.4f}), "
+            f"V {mean('v_output_error'):.4f} (1.0: {mean('v_output_error_scale1'):.4f}), mean over layers"]
 
 
 def summary_lines(summary: AccuracySummary) -> list[str]:

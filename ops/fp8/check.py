@@ -20,6 +20,7 @@ from typing import Any
 from kvops.core.errors import BadInputError
 from kvops.core.files import read_text
 from kvops.core.fp8.scales import (
+    ScaleMethod,
     ScalesFile,
     fingerprint_of_config,
     read_model_config,
@@ -53,6 +54,9 @@ class CheckRequest:
     max_tokens: int = 256
     greedy_tokens: int = 0
     dtype: str = "fp8_e4m3"
+    compare: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+    """More (name, per-layer scales) variants to measure beside scale 1.0 and calibrated (the
+    bench's absmax scales); the verdict does not read them."""
 
 
 @dataclass(frozen=True)
@@ -124,9 +128,23 @@ def layer_scales(scales: ScalesFile) -> list[tuple[float, float]]:
     return [(s.k_scale, s.v_scale) for _, s in ordered]
 
 
-def offline_scales(model: OfflineModel, sequences: list[Any], dtype: str) -> list[tuple[float, float]]:
-    """Scales from the absmax these sequences put in each layer's cache (kvops calibrate's rule)."""
+def absmax_scales(model: OfflineModel, sequences: list[Any], dtype: str) -> list[tuple[float, float]]:
+    """Scales from the absmax these sequences put in each layer's cache (scale_from_absmax)."""
     return [(scale_from_absmax(k, dtype), scale_from_absmax(v, dtype)) for k, v in model.absmax(sequences)]
+
+
+def searched_scales(model: OfflineModel, sequences: list[Any], dtype: str) -> tuple[list[tuple[float, float]], ScaleMethod]:
+    """kvops calibrate's offline rule on these sequences: the per-layer output-error search,
+    guarded against scale 1.0 (kvops.ops.fp8.scale_search), and which of the two it kept."""
+    from kvops.ops.fp8.scale_search import guard_scale1, search_scales
+
+    found = search_scales(model, sequences, dtype)
+    return guard_scale1(model, sequences, [(f.k.scale, f.v.scale) for f in found], dtype)
+
+
+def offline_scales(model: OfflineModel, sequences: list[Any], dtype: str) -> list[tuple[float, float]]:
+    """The scales searched_scales chooses."""
+    return searched_scales(model, sequences, dtype)[0]
 
 
 def run_check(req: CheckRequest, say: Callable[[str], None] = lambda _line: None) -> CheckResult:
@@ -137,10 +155,11 @@ def run_check(req: CheckRequest, say: Callable[[str], None] = lambda _line: None
     if not sequences:
         raise BadInputError("--prompts: every prompt is under 2 tokens: nothing to score")
     if req.scales is not None:
-        scales, source = layer_scales(req.scales), "the scales file"
+        scales, source = layer_scales(req.scales), f"the scales file ({req.scales.scale_method})"
     else:
         say("no --scales: calibrating on these prompts (held-out prompts give the fairer figure)")
-        scales, source = offline_scales(model, sequences, req.dtype), "these prompts (no --scales)"
+        scales, method = searched_scales(model, sequences, req.dtype)
+        source = f"these prompts (no --scales; {method})"
     ref = reference(model, sequences)
     ref_greedy = reference_greedy(model, ref, req.greedy_tokens) if req.greedy_tokens else []
 
@@ -150,6 +169,8 @@ def run_check(req: CheckRequest, say: Callable[[str], None] = lambda _line: None
 
     variants = {"fp8 scale 1.0": figures(fp8_plan([(1.0, 1.0)] * len(scales), req.dtype)),
                 "fp8 calibrated": figures(fp8_plan(scales, req.dtype))}
+    for name, other in req.compare:
+        variants[name] = figures(fp8_plan(other, req.dtype))
     skip: tuple[int, ...] = ()
     if variants["fp8 calibrated"].worst_ratio > req.threshold:
         skip = _advised_skip(req, model, ref, scales, say)

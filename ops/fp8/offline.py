@@ -34,6 +34,8 @@ PLAN_ATTRIBUTE = "kvops_kv_quant"
 """The attribute of each attention module that says how its K/V are stored (a LayerQuant)."""
 ABSMAX_ATTRIBUTE = "kvops_kv_absmax"
 """The [k_absmax, v_absmax] a module has seen since ``OfflineModel.absmax`` reset it."""
+CAPTURE_ATTRIBUTE = "kvops_kv_capture"
+"""The (query, key, value) calls a module has seen since ``OfflineModel.attention_inputs`` set it."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,18 @@ class LayerQuant:
     fmt: str | None = None
     k_scale: float = 1.0
     v_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """One attention call's query (after rotary) and the K/V its cache gives back, float32,
+    shaped (batch, heads, tokens, head_dim), with the mask and arguments it was called with."""
+
+    query: Any
+    key: Any
+    value: Any
+    mask: Any
+    kwargs: dict[str, Any]
 
 
 KvPlan = tuple[LayerQuant, ...]
@@ -79,6 +93,11 @@ def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: An
     if seen is not None:
         seen[0] = max(seen[0], float(key.to(cache_dtype).abs().max()))
         seen[1] = max(seen[1], float(value.to(cache_dtype).abs().max()))
+    captured = getattr(module, CAPTURE_ATTRIBUTE, None)
+    if captured is not None:
+        captured.append(AttentionInputs(query.detach().clone(), store(key, quant, cache_dtype, quant.k_scale),
+                                        store(value, quant, cache_dtype, quant.v_scale), attention_mask,
+                                        dict(kwargs)))
     key = store(key, quant, cache_dtype, quant.k_scale)
     value = store(value, quant, cache_dtype, quant.v_scale)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -141,6 +160,21 @@ class OfflineModel:
         finally:
             for module in modules:
                 delattr(module, ABSMAX_ATTRIBUTE)
+
+    def attention_inputs(self, sequences: Sequence[Any]) -> list[list[AttentionInputs]]:
+        """Per layer, what its attention received for each sequence with bf16 KV (one forward
+        each): what a scale search needs to score candidates without another forward."""
+        self.set_plan(unquantized(self.num_layers))
+        modules = sorted(self.attention_modules(), key=lambda m: int(m.layer_idx))
+        for module in modules:
+            setattr(module, CAPTURE_ATTRIBUTE, [])
+        try:
+            for ids in sequences:
+                self.log_probs(ids)
+            return [list(getattr(m, CAPTURE_ATTRIBUTE)) for m in modules]
+        finally:
+            for module in modules:
+                delattr(module, CAPTURE_ATTRIBUTE)
 
     def greedy(self, ids: Any, new_tokens: int) -> list[int]:
         """Greedy continuation with the KV cache (each step's attention re-reads the cached K/V
