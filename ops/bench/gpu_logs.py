@@ -204,8 +204,9 @@ def _logged_worker(run: LoggedRun, req: PlanRequest, plan: Plan) -> tuple[float,
     first = stage_weights(raw, dtype, fmt, run.tp, run.pp).per_stage_bytes[0] / GIB
     available = plan.available_kv_gib + (plan.non_kv.weights_gib - first)
     if run.pp > 1:  # stage 0 runs no sampler
-        shape = activation_shape(raw, dtype, run.tp, run.pp)
-        available += shape.sampler_gib(plan.max_num_seqs_why.caps["vllm_default"], plan.max_num_batched_tokens)
+        shape = activation_shape(raw, dtype, run.tp, run.pp, req.gpu)
+        seqs, mnbt = plan.max_num_seqs_why.caps["vllm_default"], plan.max_num_batched_tokens
+        available += shape.peak_gib(seqs, mnbt) - shape.peak_gib(seqs, mnbt, last_stage=False)
     return first, available, fmt.source if fmt is not None and fmt.expert_layout is not None else None
 
 

@@ -211,14 +211,17 @@ def non_kv_terms(inp: PlanInputs, max_num_seqs: int, mnbt: int) -> tuple[NonKvTe
 
 
 def default_activation(inp: PlanInputs, max_num_seqs: int, mnbt: int) -> tuple[float, str]:
-    """The profile run's peak when nothing measured it: forward at mnbt tokens + sampler warm-up."""
+    """The profile run's peak when nothing measured it: the larger of the forward at mnbt tokens
+    and the sampler warm-up, plus what stays allocated through both."""
     shape = inp.activation
     if shape is None:  # no config shapes (a calibration lump without weights): the old flat default
         return 2.0 * mnbt / 8192, "default 2.0 GiB per 8192 batched tokens (v0.19 H100)"
-    forward, sampler = shape.forward_gib(mnbt), shape.sampler_gib(max_num_seqs, mnbt)
-    return forward + sampler, (f"default: forward {forward:.2f} GiB at {mnbt} batched tokens + sampler warm-up "
-                               f"{sampler:.2f} GiB ({min(max_num_seqs, mnbt)} rows x {shape.vocab_padded} logits, "
-                               f"last pipeline stage); coefficients from {FIT_RUNS}")
+    forward, sampler, held = shape.forward_gib(mnbt), shape.sampler_gib(max_num_seqs, mnbt), shape.held_gib(mnbt)
+    kept = f" + {held:.2f} GiB held through both (fused-MoE workspace, dummy images)" if held else ""
+    return shape.peak_gib(max_num_seqs, mnbt), (
+        f"default: the larger of the forward ({forward:.2f} GiB at {mnbt} batched tokens) and the sampler warm-up "
+        f"({sampler:.2f} GiB: {min(max_num_seqs, mnbt)} rows x {shape.vocab_padded} logits, last pipeline stage)"
+        f"{kept}; coefficients from {FIT_RUNS}")
 
 
 def terms_notes(inp: PlanInputs, sources: NonKvSources) -> list[str]:
@@ -239,8 +242,8 @@ def terms_notes(inp: PlanInputs, sources: NonKvSources) -> list[str]:
     if "activation" in defaulted and shape is not None and (shape.moe or shape.multimodal):
         kind = "MoE" if shape.moe else "multimodal"
         notes.append(f"the default activation was read off dense text models; on held-out {kind} logs it left up "
-                     "to 3.5% more KV than the server had (kvops bench planner, gpu_logs): calibrate before "
-                     "counting on the last few percent")
+                     "to 0.5% more KV than the server had (kvops bench planner, gpu_logs): calibrate before "
+                     "counting on the last percent")
     return notes
 
 

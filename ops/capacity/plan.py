@@ -213,7 +213,7 @@ def _inputs(req: PlanRequest, raw: dict[str, Any]) -> PlanInputs:
         max_num_batched_tokens=req.max_num_batched_tokens,
         pp_layer_partition=parse_pp_layer_partition(req.pp_layer_partition), weights_rank_bytes=weights,
         activation=activation_shape(raw, model_dtype(text_config(raw), req.dtype), req.tensor_parallel_size,
-                                    req.pipeline_parallel_size),
+                                    req.pipeline_parallel_size, req.gpu if req.device == "cuda" else None),
         weights_source=weights_source,
         activation_gib=req.activation_gib, non_torch_gib=req.non_torch_gib, cudagraph_gib=req.cudagraph_gib,
         calibration=calibration, model_ref=_model_ref(req.config, req.model_dir), draft_layers=req.draft_layers,
