@@ -10,8 +10,9 @@ to the front end. Imported by vLLM's connector factory only when the connector i
 
 from __future__ import annotations
 
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from kvops.core.offload.canary import (
 from kvops.core.offload.preflight import SERVE_HINT, check_still_serving
 from kvops.core.offload.settings import digest_budget_bytes
 from kvops.plugin._compat import refuse_in_engine
+from kvops.plugin.offload.hold import LoadHold
 from kvops.plugin.offload.integrity import (
     BlockDigests,
     BlockHasher,
@@ -62,6 +64,8 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self._kvops_load_wait_s = float(extra.get(KVOPS_EXTRA_KEY, {}).get("load_wait_ms", 0)) / 1e3
         self._kvops_server = extra.get("lmcache.mp.host", "?") + f":{extra.get('lmcache.mp.port')}"
+        self._kvops_hold = _load_hold(extra, self._kvops_server_gone)
+        self._kvops_gone_checked: tuple[float, bool] = (0.0, False)
         try:
             check_still_serving(extra.get(KVOPS_EXTRA_KEY, {}))
             super().__init__(vllm_config, role, kv_cache_config)
@@ -116,6 +120,7 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         in the same step (kv_connector_model_runner_mixin.py) with the blocks that failed."""
         with self._kvops_guard("load_wait"):
             self._kvops_wait_for_a_load()
+        self._kvops_hold_loads()
         sending, receiving = super().get_finished(finished_req_ids)
         with self._kvops_guard("load_bookkeeping"):
             now = time.perf_counter()
@@ -136,9 +141,55 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         if not (idle and self._kvops_load_wait_s > 0):
             return
         in_flight = getattr(getattr(self, "worker_adapter", None), "retrieve_futures", None)
-        if in_flight:
-            future, _ = next(iter(in_flight.values()))
-            future.wait(self._kvops_load_wait_s)
+        futures = [f for f, _ in (in_flight or {}).values()]
+        futures += self._kvops_hold.futures() if self._kvops_hold is not None else []
+        if futures:
+            futures[0].wait(self._kvops_load_wait_s)
+
+    def _kvops_hold_loads(self) -> None:
+        """In lmcache_driven mode the adapter sees only loads the server has answered; the rest
+        wait in the hold (kvops.plugin.offload.hold) so a missed heartbeat cannot free blocks
+        the server may still write. Not under _kvops_guard: the step moves the adapter's loads
+        into the hold before anything that could fail, and losing them would hang requests."""
+        adapter, hold = getattr(self, "worker_adapter", None), self._kvops_hold
+        if adapter is None or hold is None:
+            return
+        missed_before = sum(h.missed_at is not None for h in hold.held.values())
+        released = hold.step(adapter.retrieve_futures, bool(adapter.is_healthy), time.monotonic())
+        adapter.retrieve_futures.update(released.answered)
+        for request_id, block_ids in released.failed.items():
+            # As the adapter fails a load it drops at submit (vllm_multi_process_adapter.py
+            # submit_retrieve_request): reported once by its next get_finished, vLLM recomputes.
+            adapter.error_block_ids.update(block_ids)
+            adapter._failed_request_ids.add(request_id)
+            adapter._dropped_retrieves.add(request_id)
+            logger.error("kvops offload: load of request %s failed after LMCache missed its "
+                         "heartbeat (%s); vLLM recomputes it", request_id, released.reasons[request_id])
+        missed = sum(h.missed_at is not None for h in hold.held.values())
+        if missed > missed_before:
+            self._kvops_stats.error("held", missed - missed_before)
+            logger.error("kvops offload: LMCache missed its heartbeat with %d loads in flight; "
+                         "their requests wait for its answer instead of recomputing at once "
+                         "(it could still write them into blocks vLLM had handed on)", missed - missed_before)
+
+    def _kvops_server_gone(self) -> bool:
+        """Whether the LMCache server's port refuses connections (its process is gone), asked
+        at most once a second. A frozen process still accepts (the kernel queues the connect)."""
+        at, gone = self._kvops_gone_checked
+        now = time.monotonic()
+        if now - at < 1.0:
+            return gone
+        extra = self._vllm_config.kv_transfer_config.kv_connector_extra_config
+        host = str(extra.get("lmcache.mp.host", "")).removeprefix("tcp://")
+        gone = False
+        try:
+            socket.create_connection((host, int(extra.get("lmcache.mp.port", 0))), timeout=0.2).close()
+        except ConnectionRefusedError:
+            gone = True
+        except (OSError, ValueError):
+            gone = False  # unknown (a remote host, a timeout): wait for the other signals
+        self._kvops_gone_checked = (now, gone)
+        return gone
 
     def wait_for_save(self) -> None:
         """Stores hand KV over inside the step (vLLM may reuse the blocks afterwards). Nothing of
@@ -318,6 +369,20 @@ def kv_bytes_per_token(kv_caches: dict[str, Any], block_size: int) -> float:
         num_blocks = tensor.shape[1] if tensor.shape[0] == 2 and tensor.dim() == 5 else tensor.shape[0]
         total += tensor.numel() * tensor.element_size() / (num_blocks * block_size)
     return total
+
+
+def _load_hold(extra: dict[str, Any], server_gone: Callable[[], bool]) -> LoadHold | None:
+    """Only lmcache_driven writes into vLLM's KV cache itself; in engine_driven the worker
+    copies when the load finishes, and a load the adapter dropped is never copied."""
+    if extra.get("lmcache.mp.mp_transfer_mode") != "lmcache_driven":
+        return None
+    heartbeat_s = float(extra.get("lmcache.mp.heartbeat_interval", 2.0))
+    return LoadHold(settle_s=max(3 * heartbeat_s, 5.0), max_hold_s=MAX_HOLD_S, server_gone=server_gone)
+
+
+MAX_HOLD_S = 60.0
+"""The longest a request waits for a frozen LMCache server's answer to its load (a client's
+timeout is usually longer: kvops bench chaos counts a request lost after 120 s)."""
 
 
 def _first_line(exc: BaseException) -> str:

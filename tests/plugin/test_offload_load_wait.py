@@ -19,7 +19,7 @@ from kvops.plugin.offload.connector import KVOpsOffloadConnector
 
 def _half(wait_s: float, idle: bool, *futures: MessagingFuture) -> SimpleNamespace:
     in_flight = {f"req-{i}": (future, [i]) for i, future in enumerate(futures)}
-    return SimpleNamespace(_kvops_load_wait_s=wait_s, _kvops_idle_step=idle,
+    return SimpleNamespace(_kvops_load_wait_s=wait_s, _kvops_idle_step=idle, _kvops_hold=None,
                            worker_adapter=SimpleNamespace(retrieve_futures=in_flight))
 
 
@@ -56,7 +56,7 @@ def test_no_sleep_in_a_step_that_computes_or_with_the_wait_off(wait_s, idle):
 
 def test_no_loads_in_flight_no_sleep():
     assert _wait(_half(60.0, True)) < 30.0
-    no_adapter = SimpleNamespace(_kvops_load_wait_s=60.0, _kvops_idle_step=True)
+    no_adapter = SimpleNamespace(_kvops_load_wait_s=60.0, _kvops_idle_step=True, _kvops_hold=None)
     assert _wait(no_adapter) < 30.0  # the scheduler half has no worker adapter
 
 
