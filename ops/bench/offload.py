@@ -18,7 +18,9 @@ offload, no connector): a slow stretch of the shared machine hits both sides of 
 ``hit_time_split_s`` and ``miss_time_split_s`` say where the time goes, from vLLM's own queue,
 prefill and TTFT histograms read around the hits and the miss blocks (TIME_SPLIT). A greedy text
 that differs from the no-connector server's is scored by that server as the chaos bench scores
-one (ops/bench/greedy.py): a tie flip of the tiny model's near-tied logits, or a wrong output.
+one (ops/bench/greedy.py): a tie flip of the tiny model's near-tied logits, or a wrong output. Beside the ratios,
+which are this machine's (they divide by its prefill), sit the load's own figures, which carry to
+another machine, and issue 43's goal (ops/bench/offload_figures.py).
 
 Variants, one offload server after another beside the one no-connector server (the same
 model, prompts and baseline, so their ratios compare): the product default (transfer_mode auto,
