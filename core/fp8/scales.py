@@ -105,11 +105,18 @@ def scale_from_absmax(absmax: float, fmt: str, margin: float = DEFAULT_MARGIN) -
 DEFAULT_SEARCH_STEPS = 16
 """Candidate scales per octave in ``candidate_scales``: lattices 2^(1/16) apart (4.4%)."""
 
-ScaleMethod = Literal["absmax", "output-search", "scale1-fallback"]
+ScaleMethod = Literal["absmax", "output-search", "output-search-k", "output-search-v", "scale1-fallback"]
 """How a scales file's scales were chosen: ``absmax`` (scale_from_absmax), ``output-search``
 (kvops.ops.fp8.scale_search: per layer, the candidate that least changes the layer's attention
-output), ``scale1-fallback`` (the search's scales did worse than 1.0 on the calibration text,
-so 1.0 everywhere)."""
+output, for K and V), ``output-search-k`` / ``output-search-v`` (the search's scales for K only,
+or V only, and 1.0 for the other: what gave the whole model the least KL on the calibration
+text), ``scale1-fallback`` (1.0 everywhere did better than any of those)."""
+
+SEARCHED_TENSORS: dict[str, tuple[bool, bool]] = {
+    "output-search": (True, True), "output-search-k": (True, False),
+    "output-search-v": (False, True), "scale1-fallback": (False, False),
+}
+"""For each search method: whether its K and its V scales are the searched ones (else 1.0)."""
 
 
 def _float32(value: float) -> float:

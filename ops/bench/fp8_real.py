@@ -62,14 +62,14 @@ def run(model_dir: Path | None = None, calibration_passages: int = CALIBRATION_P
                        max_tokens, greedy_tokens)
     from kvops.ops.fp8.check import CheckRequest, run_check
     from kvops.ops.fp8.offline import load_offline_model
-    from kvops.ops.fp8.scale_search import guard_scale1, search_scales
+    from kvops.ops.fp8.scale_search import choose_by_model_kl, search_scales
 
     calibration = paragraphs(CALIBRATION_TEXT, calibration_passages)
     evaluation = [p for name in EVALUATION_TEXTS for p in paragraphs(name, evaluation_passages)][:evaluation_passages]
     model = load_offline_model(model_dir)
     sequences = model.encode(calibration, max_tokens)
     found = search_scales(model, sequences, FMT)
-    scales, method = guard_scale1(model, sequences, [(f.k.scale, f.v.scale) for f in found], FMT)
+    scales, method = choose_by_model_kl(model, sequences, [(f.k.scale, f.v.scale) for f in found], FMT)
     absmax = tuple((scale_from_absmax(f.k.absmax, FMT), scale_from_absmax(f.v.absmax, FMT)) for f in found)
     del model, sequences, found  # the check loads its own copy
     result = run_check(CheckRequest(model_dir=model_dir, prompts=tuple(evaluation), scales=_scales_file(model_dir, scales, method),

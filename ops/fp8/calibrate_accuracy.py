@@ -15,7 +15,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvops.core.fp8.scales import DEFAULT_SEARCH_STEPS, AccuracySummary, LayerScales, ScalesFile
+from kvops.core.fp8.scales import (
+    DEFAULT_SEARCH_STEPS,
+    SEARCHED_TENSORS,
+    AccuracySummary,
+    LayerScales,
+    ScaleMethod,
+    ScalesFile,
+)
 from kvops.ops.fp8.check import layer_scales
 from kvops.ops.fp8.offline import fp8_plan, load_offline_model
 from kvops.ops.fp8.sensitivity import (
@@ -55,7 +62,7 @@ def with_searched_scales(scales: ScalesFile, model_dir: Path, prompts: Sequence[
     """scales with each layer's k_scale / v_scale from the output-error search (candidates from
     the absmax the server recorded), or 1.0 everywhere where the search did worse on these
     prompts; the file says which (scale_method)."""
-    from kvops.ops.fp8.scale_search import guard_scale1, search_scales
+    from kvops.ops.fp8.scale_search import choose_by_model_kl, search_scales
 
     model = load_offline_model(model_dir)
     sequences = within_budget(model.encode(list(prompts), MAX_TOKENS_PER_PROMPT), token_budget)
@@ -64,28 +71,28 @@ def with_searched_scales(scales: ScalesFile, model_dir: Path, prompts: Sequence[
     names = _layer_names(scales)
     recorded = [(scales.layers[n].k_absmax or 0.0, scales.layers[n].v_absmax or 0.0) for n in names]
     found = search_scales(model, sequences, scales.dtype, recorded, scales.margin, steps, progress)
-    _, method = guard_scale1(model, sequences, [(f.k.scale, f.v.scale) for f in found], scales.dtype)
-    layers = {name: _searched_layer(scales.layers[name], search, method == "scale1-fallback")
+    _, method = choose_by_model_kl(model, sequences, [(f.k.scale, f.v.scale) for f in found], scales.dtype)
+    layers = {name: _searched_layer(scales.layers[name], search, method)
               for name, search in zip(names, found, strict=True)}
     return scales.model_copy(update={"layers": {**scales.layers, **layers}, "scale_method": method,
                                      "search_steps": steps})
 
 
-def _searched_layer(layer: LayerScales, search: LayerSearch, fallback: bool) -> LayerScales:
-    """The layer's entry with the search's scales and figures (1.0's where it fell back)."""
-    update: dict[str, float | None] = {
-        "k_output_error_scale1": search.k.error_scale1, "v_output_error_scale1": search.v.error_scale1}
-    if fallback:
-        update.update(k_scale=1.0, v_scale=1.0, k_output_error=search.k.error_scale1,
-                      v_output_error=search.v.error_scale1, k_error=layer.k_error_scale1,
-                      v_error=layer.v_error_scale1, k_saturated=layer.k_saturated_scale1,
-                      k_subnormal=layer.k_subnormal_scale1, v_saturated=layer.v_saturated_scale1,
-                      v_subnormal=layer.v_subnormal_scale1)
-    else:
-        for kind, found in (("k", search.k), ("v", search.v)):
+def _searched_layer(layer: LayerScales, search: LayerSearch, method: ScaleMethod) -> LayerScales:
+    """The layer's entry with the search's scales and figures for the tensors the method keeps
+    searched, and 1.0 with 1.0's figures for the others."""
+    update: dict[str, float | None] = {}
+    for kind, found, searched in zip("kv", (search.k, search.v), SEARCHED_TENSORS[method], strict=True):
+        update[f"{kind}_output_error_scale1"] = found.error_scale1
+        if searched:
             update.update({f"{kind}_scale": found.scale, f"{kind}_output_error": found.error,
                            f"{kind}_error": found.value_error, f"{kind}_saturated": found.saturated,
                            f"{kind}_subnormal": found.subnormal})
+        else:
+            update.update({f"{kind}_scale": 1.0, f"{kind}_output_error": found.error_scale1,
+                           f"{kind}_error": getattr(layer, f"{kind}_error_scale1"),
+                           f"{kind}_saturated": getattr(layer, f"{kind}_saturated_scale1"),
+                           f"{kind}_subnormal": getattr(layer, f"{kind}_subnormal_scale1")})
     return layer.model_copy(update=update)
 
 
@@ -128,12 +135,14 @@ def method_lines(scales: ScalesFile) -> list[str]:
         return [f"scales: absmax × {scales.margin:g} / the format's max (no offline search)"]
     if scales.scale_method == "scale1-fallback":
         return ["scales: 1.0 in every layer (the searched scales did worse than 1.0 on the calibration prompts)"]
+    which = {"output-search-k": " (K's; V at 1.0 did better on the calibration prompts)",
+             "output-search-v": " (V's; K at 1.0 did better on the calibration prompts)"}.get(scales.scale_method, "")
 
     def mean(field: str) -> float:
         found = [getattr(s, field) for s in scales.layers.values() if getattr(s, field) is not None]
         return sum(found) / len(found) if found else 0.0
 
-    return [f"scales: searched per layer ({scales.search_steps} per octave) for the least change of its "
+    return [f"scales: searched per layer{which} ({scales.search_steps} per octave) for the least change of its "
             f"attention output: K {mean('k_output_error'):.4f} (1.0: {mean('k_output_error_scale1'):.4f}), "
             f"V {mean('v_output_error'):.4f} (1.0: {mean('v_output_error_scale1'):.4f}), mean over layers"]
 

@@ -136,10 +136,10 @@ def absmax_scales(model: OfflineModel, sequences: list[Any], dtype: str) -> list
 def searched_scales(model: OfflineModel, sequences: list[Any], dtype: str) -> tuple[list[tuple[float, float]], ScaleMethod]:
     """kvops calibrate's offline rule on these sequences: the per-layer output-error search,
     guarded against scale 1.0 (kvops.ops.fp8.scale_search), and which of the two it kept."""
-    from kvops.ops.fp8.scale_search import guard_scale1, search_scales
+    from kvops.ops.fp8.scale_search import choose_by_model_kl, search_scales
 
     found = search_scales(model, sequences, dtype)
-    return guard_scale1(model, sequences, [(f.k.scale, f.v.scale) for f in found], dtype)
+    return choose_by_model_kl(model, sequences, [(f.k.scale, f.v.scale) for f in found], dtype)
 
 
 def offline_scales(model: OfflineModel, sequences: list[Any], dtype: str) -> list[tuple[float, float]]:

@@ -14,8 +14,9 @@ kvops.core.fp8.scales.candidate_scales (one octave of lattices from the absmax s
 by the squared change of the layer's attention output after o_proj (what the layer adds to the
 residual stream) with that tensor in fp8, the other exact: no full-model forward per candidate.
 vLLM takes one k_scale and one v_scale per layer (per tensor), and so does the search.
-``guard_scale1`` then compares the whole model's KL to bf16 KV on the calibration sequences
-with the searched scales and with 1.0, and keeps 1.0 everywhere when the search did worse.
+``choose_by_model_kl`` then measures the whole model's KL to bf16 KV on the calibration
+sequences with the searched K and V scales, either alone (1.0 for the other) and 1.0 everywhere,
+and keeps the best: never worse than 1.0 on the calibration text by construction.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any
+from typing import Any, cast
 
 from kvops.core.fp8.scales import (
     DEFAULT_MARGIN,
     DEFAULT_SEARCH_STEPS,
+    SEARCHED_TENSORS,
     ScaleMethod,
     candidate_scales,
 )
@@ -153,12 +155,15 @@ def search_scales(model: OfflineModel, sequences: Sequence[Any], fmt: str,
     return found
 
 
-def guard_scale1(model: OfflineModel, sequences: Sequence[Any], scales: list[tuple[float, float]],
-                 fmt: str) -> tuple[list[tuple[float, float]], ScaleMethod]:
-    """The searched scales, or 1.0 everywhere where they give a larger mean KL to bf16 KV on
-    the calibration sequences than 1.0 does (the layers' errors do not simply add up)."""
+def choose_by_model_kl(model: OfflineModel, sequences: Sequence[Any], scales: list[tuple[float, float]],
+                       fmt: str) -> tuple[list[tuple[float, float]], ScaleMethod]:
+    """The searched scales for K and V, for K only, for V only (1.0 for the other), or 1.0
+    everywhere: whichever gives the least mean KL to bf16 KV on the calibration sequences (ties:
+    1.0). The layers' errors do not simply add up: on SmolLM2's calibration text the searched K
+    alone measured KL 0.0101, V alone 0.0117, both 0.0136 and 1.0 everywhere 0.0135."""
     ref = reference(model, sequences)
-    ones = [(1.0, 1.0)] * len(scales)
-    if measure(model, ref, fp8_plan(scales, fmt)).mean_kl > measure(model, ref, fp8_plan(ones, fmt)).mean_kl:
-        return ones, "scale1-fallback"
-    return scales, "output-search"
+    options = {method: [(k if use_k else 1.0, v if use_v else 1.0) for k, v in scales]
+               for method, (use_k, use_v) in SEARCHED_TENSORS.items()}
+    kl = {method: measure(model, ref, fp8_plan(plan, fmt)).mean_kl for method, plan in options.items()}
+    best = min(kl, key=lambda m: (kl[m], m != "scale1-fallback"))
+    return options[best], cast(ScaleMethod, best)

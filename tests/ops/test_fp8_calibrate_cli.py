@@ -85,6 +85,9 @@ def test_quantization_error_against_torch_fp8():
     ("absmax", "scales: absmax × 1.25 / the format's max (no offline search)"),
     ("output-search", "scales: searched per layer (16 per octave) for the least change of its attention output: "
                       "K 0.0200 (1.0: 0.0400), V 0.0100 (1.0: 0.0100), mean over layers"),
+    ("output-search-k", "scales: searched per layer (K's; V at 1.0 did better on the calibration prompts) "
+                        "(16 per octave) for the least change of its attention output: "
+                        "K 0.0200 (1.0: 0.0400), V 0.0100 (1.0: 0.0100), mean over layers"),
     ("scale1-fallback", "scales: 1.0 in every layer (the searched scales did worse than 1.0 on the calibration prompts)"),
 ])
 def test_calibrate_says_how_the_scales_were_chosen(tmp_path: Path, method: str, says: str) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from kvops.core.fp8.scales import (
     FORMAT_MAX,
+    SEARCHED_TENSORS,
     LayerScales,
     ScalesFile,
     candidate_scales,
@@ -22,7 +23,7 @@ from kvops.core.fp8.scales import (
 from kvops.ops.fp8.calibrate_accuracy import with_searched_scales
 from kvops.ops.fp8.kv_scaled_model import build_kv_scaled_model
 from kvops.ops.fp8.offline import OfflineModel, fp8_plan, load_offline_model
-from kvops.ops.fp8.scale_search import guard_scale1, output_error, record_layers, search_layer
+from kvops.ops.fp8.scale_search import choose_by_model_kl, output_error, record_layers, search_layer
 from kvops.ops.fp8.sensitivity import measure, reference
 from kvops.ops.models.tiny import TinyModelSpec
 
@@ -84,12 +85,20 @@ def test_the_output_error_is_zero_without_fp8_and_grows_when_k_saturates(model: 
     assert output_error(inputs, "fp8_e4m3", k_scale=saturating) > output_error(inputs, "fp8_e4m3", k_scale=1.0)
 
 
-def test_the_guard_keeps_one_where_the_scales_do_worse(model: OfflineModel) -> None:
+def test_the_model_level_choice_is_the_least_kl_never_worse_than_one(model: OfflineModel) -> None:
+    """Brute force: the whole model's mean KL with each of the four plans (searched K and V, K
+    only, V only, 1.0 everywhere); the choice is the least of them, so never worse than 1.0."""
     sequences = model.encode(_passages(2), 32)
-    clipping = [(1e-3, 1e-3)] * model.num_layers  # |K/V| / 1e-3 far beyond 448: everything clipped
-    assert guard_scale1(model, sequences, clipping, "fp8_e4m3") == ([(1.0, 1.0)] * 2, "scale1-fallback")
-    fine = [(0.5, 0.5)] * model.num_layers  # a power of two: 1.0's lattice, fewer subnormals
-    assert guard_scale1(model, sequences, fine, "fp8_e4m3") == (fine, "output-search")
+    ref = reference(model, sequences)
+    for scales in ([(1e-3, 1e-3)] * 2, [(0.5, 0.05)] * 2):  # all clipped; a plausible mix
+        chosen, method = choose_by_model_kl(model, sequences, scales, "fp8_e4m3")
+        use_k, use_v = SEARCHED_TENSORS[method]
+        assert chosen == [(k if use_k else 1.0, v if use_v else 1.0) for k, v in scales]
+        kl = {m: measure(model, ref, fp8_plan([(k if uk else 1.0, v if uv else 1.0) for k, v in scales],
+                                             "fp8_e4m3")).mean_kl for m, (uk, uv) in SEARCHED_TENSORS.items()}
+        assert kl[method] == min(kl.values()) <= kl["scale1-fallback"]
+    clipped, method = choose_by_model_kl(model, sequences, [(1e-3, 1e-3)] * 2, "fp8_e4m3")
+    assert (clipped, method) == ([(1.0, 1.0)] * 2, "scale1-fallback")
 
 
 def test_calibrates_offline_step_writes_the_searched_scales(tmp_path: Path) -> None:
