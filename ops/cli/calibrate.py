@@ -62,19 +62,23 @@ def calibrate(
     )
     with typer.progressbar(length=len(prompt_list), label="calibrating", file=None) as bar:
         scales = run_calibration(request, log_path=log, progress=bar.update)
-    if sensitivity_tokens and search_steps:
-        from kvops.ops.fp8.calibrate_accuracy import with_searched_scales
-
-        with typer.progressbar(length=len(scales.layers), label="per-layer scale search", file=None) as bar:
-            scales = with_searched_scales(scales, model, prompt_list, sensitivity_tokens, search_steps, bar.update)
     if sensitivity_tokens:
-        from kvops.ops.fp8.calibrate_accuracy import with_accuracy
-
-        with typer.progressbar(length=len(scales.layers), label="per-layer fp8 cost", file=None) as bar:
-            scales = with_accuracy(scales, model, prompt_list, threshold, sensitivity_tokens, bar.update)
+        scales = _offline_steps(scales, model, prompt_list, sensitivity_tokens, search_steps, threshold)
     write_scales(scales, out)
     for line in calibrate_lines(scales, out):
         typer.echo(line)
+
+
+def _offline_steps(scales: ScalesFile, model: Path, prompts: tuple[str, ...], tokens: int, search_steps: int,
+                   threshold: float) -> ScalesFile:
+    """The scale search (unless --search-steps 0), then each layer's cost and the advice."""
+    from kvops.ops.fp8.calibrate_accuracy import with_accuracy, with_searched_scales
+
+    if search_steps:
+        with typer.progressbar(length=len(scales.layers), label="per-layer scale search", file=None) as bar:
+            scales = with_searched_scales(scales, model, prompts, tokens, search_steps, bar.update)
+    with typer.progressbar(length=len(scales.layers), label="per-layer fp8 cost", file=None) as bar:
+        return with_accuracy(scales, model, prompts, threshold, tokens, bar.update)
 
 
 def calibrate_lines(scales: ScalesFile, out: Path) -> list[str]:
