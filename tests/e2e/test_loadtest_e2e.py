@@ -238,11 +238,19 @@ def test_ttft_regression_without_one_first_token_is_no_baseline(two_seqs, tmp_pa
     code, result = loadtest(tmp_path, "ttft-regression", two_seqs.url, "--rate", "2",
                             "--duration", "6", "--scenario-file", str(scenario))
     (verdict,) = result["verdicts"]
-    assert (verdict["problem"], verdict["cause"]) == ("inconclusive", "no-samples"), verdict
-    assert code == 3
     records = [json.loads(x) for x in open(result["files"]["records"])]
-    assert records
-    assert all(r["status"] == 400 for r in records if not r["stopped"])
+    answered = [r for r in records if not r["stopped"]]
+    assert len(answered) >= 2
+    assert all(r["status"] == 400 for r in answered)
+    # a request still waiting when the run ended, longer than the server took to refuse one, is a
+    # censored TTFT sample as in any run (CI on a loaded box: the last refusal came after the end)
+    fastest = min(r["e2e_s"] for r in answered)
+    waited = [r for r in records if r["stopped"] and r["ttft_s"] is None and (r["e2e_s"] or 0) >= fastest]
+    if not waited:
+        assert (verdict["problem"], verdict["cause"]) == ("inconclusive", "no-samples"), verdict
+        assert code == 3
+    else:
+        assert verdict["problem"] == "healthy", verdict
 
 
 def test_kv_exhaustion_compute_bound_by_the_token_budget(vllm, tiny_model, tmp_path):
