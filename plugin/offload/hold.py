@@ -24,12 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-
-class LoadFuture(Protocol):
-    def query(self) -> bool: ...
-
+from typing import Any
 
 InFlight = MutableMapping[str, tuple[Any, Any]]
 """The adapter's ``retrieve_futures``: request id -> (future, flat block ids)."""
