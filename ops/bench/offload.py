@@ -20,7 +20,10 @@ prefill and TTFT histograms read around the hits and the miss blocks (TIME_SPLIT
 that differs from the no-connector server's is scored by that server as the chaos bench scores
 one (ops/bench/greedy.py): a tie flip of the tiny model's near-tied logits, or a wrong output. Beside the ratios,
 which are this machine's (they divide by its prefill), sit the load's own figures, which carry to
-another machine, and issue 43's goal (ops/bench/offload_figures.py).
+another machine, and issue 43's goal (ops/bench/offload_figures.py). First of all, before any
+server starts, ``worker_copy`` times the same load's copy three ways in this process (LMCache's
+server transfer, LMCache's engine_driven worker scatter, kvops' own per-block copy) against
+memcpy (ops/bench/offload_copy.py; KVOPS_BENCH_OFFLOAD_WORKER_COPY_ONLY=1 runs that part alone).
 
 Variants, one offload server after another beside the one no-connector server (the same
 model, prompts and baseline, so their ratios compare): the product default (transfer_mode auto,
@@ -60,7 +63,7 @@ from kvops.core.prom import (
     selector_sum,
 )
 from kvops.core.units import GIB
-from kvops.ops.bench import greedy
+from kvops.ops.bench import greedy, offload_copy
 from kvops.ops.bench.offload_figures import Loads
 from kvops.ops.bench.offload_report import (
     FirstPass,
@@ -102,6 +105,9 @@ around the requests measured: queue (arrival to scheduled: the connector's looku
 load, run while the request waits), prefill (scheduled to first token: the step, with the
 connector's store hand-over and block checksums), ttft (the engine's, without the HTTP front
 end's share of the TTFT the client sees)."""
+WORKER_COPY_ONLY_ENV = "KVOPS_BENCH_OFFLOAD_WORKER_COPY_ONLY"
+"""=1: measure the worker-side copy alone (ops/bench/offload_copy.py, ~10 s, no server) and print
+only ``worker_copy`` and ``bench_seconds``."""
 SERVER_ARGS = ("--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--max-num-seqs", "4")
 
 
@@ -141,6 +147,9 @@ KNOBS = (
 def run() -> dict[str, Any]:
     started = time.monotonic()
     wanted, knobs_wanted = _transfer_mode(), _knobs()
+    worker_copy = offload_copy.measure()  # first, while no vLLM thread spins beside it
+    if os.environ.get(WORKER_COPY_ONLY_ENV, "") == "1":
+        return {"worker_copy": worker_copy, "bench_seconds": time.monotonic() - started}
     with tempfile.TemporaryDirectory(prefix="kvops-bench-offload-") as tmp:
         root = Path(tmp)
         model = build_tiny_model(root / "model", REFERENCE_SHAPE)
@@ -173,6 +182,7 @@ def run() -> dict[str, Any]:
         "prefill_flops_per_token": prefill_flops_per_token(config_dict(REFERENCE_SHAPE)),
         "shm_huge_pages": shm_huge_pages(),
         **digests,
+        "worker_copy": worker_copy,
     }
     report = assemble(results[default.transfer_mode], results,
                       [(knob, variant_result(m, memcpy)) for knob, m in knobs], context)
