@@ -75,7 +75,7 @@ class Calibration(BaseModel):
     activation_gib: float | None = Field(None, ge=0, le=MAX_GIB)
     non_torch_gib: float | None = Field(None, ge=0, le=MAX_GIB)
     cudagraph_gib: float | None = Field(None, ge=0, le=MAX_GIB)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1, strict=True)  # true is not 1 batched token
     """The server's; the activation peak is rescaled from it when a plan batches differently."""
     precision_gib: float = LOG_PRECISION_GIB
     source: str
