@@ -201,7 +201,7 @@ def _logged_worker(run: LoggedRun, req: PlanRequest, plan: Plan) -> tuple[float,
     cfg = text_config(raw)
     dtype = model_dtype(cfg, req.dtype)
     fmt = weight_format(cfg.get("quantization_config"), req.quantization, req.gpu, version_tuple(run.vllm_version))
-    first = stage_weights(raw, dtype, fmt, run.tp, run.pp).per_stage_bytes[0] / GIB
+    first = stage_weights(raw, dtype, fmt, run.tp, run.pp, cuda=True).per_stage_bytes[0] / GIB
     available = plan.available_kv_gib + (plan.non_kv.weights_gib - first)
     if run.pp > 1:  # stage 0 runs no sampler
         shape = activation_shape(raw, dtype, run.tp, run.pp, req.gpu)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvops.core.errors import BadInputError
 from kvops.core.plan import NonKvSources, NonKvTerms
-from kvops.ops.capacity.activation import FIT_RUNS, NON_TORCH_GIB, ActivationShape
+from kvops.ops.capacity.activation import FIT_HIDDEN, FIT_RUNS, NON_TORCH_GIB, ActivationShape
 from kvops.ops.capacity.calibration import MAX_GIB, Calibration
 from kvops.ops.capacity.constants import (
     CUDA_GRAPH_GIB_PER_CAPTURE_SIZE,
@@ -249,8 +249,10 @@ def terms_notes(inp: PlanInputs, sources: NonKvSources) -> list[str]:
 
 def default_non_torch(inp: PlanInputs) -> tuple[float, str]:
     if inp.activation is not None:
+        wider = (" and, with TP, rising with the model's width to the 8192-wide logs' figure"
+                 if inp.tp > 1 and inp.activation.hidden > FIT_HIDDEN else "")
         return inp.activation.non_torch_gib(), (f"default for TP{inp.tp}/PP{inp.pp} (CUDA context, NCCL, "
-                                                f"custom all-reduce) from {FIT_RUNS}")
+                                                f"custom all-reduce) from {FIT_RUNS}{wider}")
     return NON_TORCH_GIB[2 if inp.tp * inp.pp > 1 else 1], "default by TP (v0.19 H100: NCCL/custom all-reduce)"
 
 

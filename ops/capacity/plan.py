@@ -234,7 +234,7 @@ def _weights(req: PlanRequest, raw: dict[str, Any]) -> tuple[int, str]:
     fmt = weight_format(cfg.get("quantization_config"), req.quantization, req.gpu if req.device == "cuda" else None)
     dtype = model_dtype(cfg, req.dtype)
     weights = stage_weights(raw, dtype, fmt, req.tensor_parallel_size, req.pipeline_parallel_size,
-                            parse_pp_layer_partition(req.pp_layer_partition))
+                            parse_pp_layer_partition(req.pp_layer_partition), cuda=req.device == "cuda")
     return weights.max_bytes, f"{WEIGHTS_ESTIMATED} ({fmt.source if fmt else dtype})"
 
 
@@ -361,8 +361,9 @@ def _input_notes(inp: PlanInputs, weights_source: str) -> list[str]:
     if inp.device_total_source:
         notes.append(f"device memory {inp.gpu_total_gib:.2f} GiB: {inp.device_total_source}")
     if inp.weights_source != WEIGHTS_FROM_HEADERS and not weights_source.startswith("calibration"):
-        notes.append(f"weights {inp.weights_source}: counted per rank as vLLM shards them; pass --model-dir "
-                     "for the safetensors bytes")
+        rounding = ", with the CUDA caching allocator's rounding of each large tensor" if inp.device == "cuda" else ""
+        notes.append(f"weights {inp.weights_source}: counted per rank as vLLM shards them{rounding}; pass "
+                     "--model-dir for the safetensors bytes")
     if inp.draft_layers:
         notes.append(f"KV sized with {inp.draft_layers} drafter layer(s): serve with your "
                      "--speculative-config (method mtp/eagle) so vLLM builds them")

@@ -49,6 +49,9 @@ class RankParams:
     notes: tuple[str, ...] = field(default=())
     expert_bias: int = 0  # biased experts (gpt-oss): the model dtype, unless a kernel layout recasts them
     expert_shape: tuple[int, int] = (0, 0)  # (hidden, per-rank width) of the MoE layers' experts
+    tensors: tuple[tuple[str, int], ...] = field(default=())
+    """(kind, elements) of each large tensor vLLM allocates (fused qkv, gate_up, an MoE layer's
+    w13 and w2, embedding, lm_head): what the CUDA caching allocator rounds (alloc_rounding)."""
 
     @property
     def total(self) -> int:
@@ -58,7 +61,8 @@ class RankParams:
         return RankParams(self.linear + o.linear, self.linear_rows + o.linear_rows, self.experts + o.experts,
                           self.expert_rows + o.expert_rows, self.embedding + o.embedding,
                           self.lm_head + o.lm_head, self.other + o.other, self.notes + o.notes,
-                          self.expert_bias + o.expert_bias, max(self.expert_shape, o.expert_shape))
+                          self.expert_bias + o.expert_bias, max(self.expert_shape, o.expert_shape),
+                          self.tensors + o.tensors)
 
     def bytes(self, dtype_bytes: int, fmt: WeightFormat | None) -> int:
         """Bytes on the device: quantized tensors at the format's size, the rest in the model dtype."""
@@ -82,8 +86,40 @@ class RankParams:
         return dtype_bytes * kept + math.ceil(quantized)
 
 
+    def allocator_rounding(self, dtype_bytes: int, fmt: WeightFormat | None) -> int:
+        """What the CUDA caching allocator counts beyond the large tensors' own bytes (cuda_rounding)."""
+        total = 0
+        for kind, elements in self.tensors:
+            if kind == "experts" and fmt is not None and fmt.expert_layout is not None:
+                continue  # laid out (padded) by the kernel's own rules (mxfp4.py)
+            quantized = fmt is not None and (kind == "experts" or (kind == "linear" and not fmt.experts_only)
+                                             or (kind == "lm_head" and fmt.lm_head))
+            nbytes = math.ceil(elements * fmt.per_element) if quantized and fmt is not None else elements * dtype_bytes
+            total += cuda_rounding(nbytes)
+        return total
+
+
+_MIB = 1 << 20
+_ROUND_LARGE = 2 * _MIB  # c10/cuda/CUDACachingAllocator.cpp kRoundLarge
+_MIN_LARGE_ALLOC = 10 * _MIB  # kMinLargeAlloc
+
+
+def cuda_rounding(nbytes: int) -> int:
+    """Bytes PyTorch's CUDA caching allocator counts as allocated beyond one tensor's ``nbytes``
+    (c10/cuda/CUDACachingAllocator.cpp, default config, as vLLM runs it): a tensor of 10 MiB or
+    more gets a segment rounded up to 2 MiB, and the block keeps the whole segment unless what is
+    left is over 1 MiB (should_split: ``remaining > kSmallSize``). Smaller tensors are carved from
+    shared segments and rounded to 512 bytes. vLLM's "Model loading took" is
+    torch.cuda.max_memory_allocated, which counts those rounded blocks: 70 MiB of Qwen2.5-7B's
+    tensors are 0.5 or 1 MiB short of a 2 MiB multiple; Llama-3.1-8B's are all exact."""
+    if nbytes < _MIN_LARGE_ALLOC:
+        return -nbytes % 512
+    remaining = -nbytes % _ROUND_LARGE
+    return remaining if remaining <= _MIB else -nbytes % 512
+
+
 def _linear(inputs: int, outputs: int) -> RankParams:
-    return RankParams(linear=inputs * outputs, linear_rows=outputs)
+    return RankParams(linear=inputs * outputs, linear_rows=outputs, tensors=(("linear", inputs * outputs),))
 
 
 def config_count(cfg: Mapping[str, Any], key: str, default: int = 0) -> int:
@@ -144,6 +180,7 @@ def _experts(cfg: Mapping[str, Any], tp: int) -> RankParams:
     count = _num_experts(cfg)
     width = _split(config_count(cfg, "moe_intermediate_size") or config_count(cfg, "intermediate_size"), tp, "moe_intermediate_size")
     params = RankParams(experts=count * 3 * hidden * width, expert_rows=count * (2 * width + hidden),
+                        tensors=(("experts", count * 2 * width * hidden), ("experts", count * width * hidden)),
                         other=hidden * count + (count if cfg.get("model_type") in ("gpt_oss", "deepseek_v3") else 0),
                         expert_shape=(hidden, width))
     if cfg.get("model_type") == "gpt_oss":  # biased experts and router
@@ -263,19 +300,23 @@ def rank_params(raw: Mapping[str, Any], tp: int = 1, pp: int = 1,
         for index in range(first, last):
             params += _layer(cfg, tp, index)
         if rank == 0:
-            params += RankParams(embedding=vocab * hidden) + _vision_tower(raw, tp)
+            params += RankParams(embedding=vocab * hidden, tensors=(("embedding", vocab * hidden),)) + _vision_tower(raw, tp)
         if rank == pp - 1:
             final_norm = hidden * (2 if cfg.get("model_type") in _PLAIN_MLP else 1)  # LayerNorm: weight and bias
-            params += RankParams(other=final_norm, lm_head=0 if tied and pp == 1 else vocab * hidden)
+            head = 0 if tied and pp == 1 else vocab * hidden
+            params += RankParams(other=final_norm, lm_head=head, tensors=(("lm_head", head),) if head else ())
         stages.append(params)
     return stages
 
 
 def stage_weights(raw: Mapping[str, Any], dtype: str, fmt: WeightFormat | None, tp: int = 1, pp: int = 1,
-                  partition: tuple[int, ...] | None = None) -> StageWeights:
+                  partition: tuple[int, ...] | None = None, cuda: bool = False) -> StageWeights:
+    """Each stage's bytes; on a CUDA device with the caching allocator's rounding (cuda_rounding),
+    which vLLM's CPU backend (plain host memory) does not have."""
     dtype_bytes = int(MODEL_DTYPE_BYTES[dtype])
     stages = rank_params(raw, tp, pp, partition)
-    return StageWeights(tuple(s.bytes(dtype_bytes, fmt) for s in stages), rank_params(raw)[0].total)
+    return StageWeights(tuple(s.bytes(dtype_bytes, fmt) + (s.allocator_rounding(dtype_bytes, fmt) if cuda else 0)
+                              for s in stages), rank_params(raw)[0].total)
 
 
 def prefill_flops_per_token(raw: Mapping[str, Any]) -> float:

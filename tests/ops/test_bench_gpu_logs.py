@@ -36,3 +36,15 @@ def test_each_run_carries_the_log_the_prediction_and_the_version_accounting() ->
     held_out = [c for c in out["gpu_logs"] if not c["fit"]]
     assert out["held_out_cases"] == len(held_out) > 0
     assert {c["model"] for c in out["gpu_logs"] if c["fit"]} == set(gpu_logs.FIT_MODELS)
+
+
+def test_no_logged_h100_run_is_promised_more_kv_than_it_had() -> None:
+    """Issue 40's goal, against the logs: available KV never more than 0.5% above the logged
+    figure (Qwen2.5-72B at TP2, 3.04 GiB of KV, was +4.0%: 0.08 GiB of allocator rounding in its
+    weights and a wider model's non-torch memory), mean |error| within 1%, max within 2%."""
+    out = gpu_logs.run()
+    over = {(c["model"], c["tp"]): c["available_kv_error_pct"] for c in out["gpu_logs"]
+            if c["available_kv_error_pct"] > 0.5}
+    assert not over
+    assert out["available_kv_error_pct_mean"] <= 1.0
+    assert out["available_kv_error_pct_max"] <= 2.0

@@ -18,7 +18,7 @@ from kvops.ops.bench.gpu_logs import LOGS, PUBLIC_LOGS, find_config, read_runs, 
 from kvops.ops.capacity.constants import GPU_CATALOG_GIB, GPU_SM
 from kvops.ops.capacity.model import model_dtype, text_config
 from kvops.ops.capacity.quantization import weight_format
-from kvops.ops.capacity.weights import rank_params, stage_weights
+from kvops.ops.capacity.weights import cuda_rounding, rank_params, stage_weights
 from kvops.ops.cli.main import app
 
 GIB = 2**30
@@ -82,9 +82,50 @@ def test_weights_of_one_rank_match_vllms_model_loading_line(run: Any, config: Pa
     cfg = text_config(raw)
     fmt = weight_format(cfg.get("quantization_config"), run.args.get("quantization"), run.catalog_gpu(),
                         version_tuple(run.vllm_version))
-    weights = stage_weights(raw, model_dtype(cfg, run.args.get("dtype")), fmt, run.tp, run.pp)
+    weights = stage_weights(raw, model_dtype(cfg, run.args.get("dtype")), fmt, run.tp, run.pp, cuda=True)
     error = weights.per_stage_bytes[0] / GIB / run.weights_gib - 1  # the log is the first stage's TP0 worker
     assert abs(error) < 0.01, f"{weights.per_stage_bytes[0] / GIB:.3f} GiB vs logged {run.weights_gib}"
+
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(("nbytes", "extra"), [
+    (80 * MIB, 0),  # a 2 MiB multiple: the block is the tensor
+    (int(31.5 * MIB), MIB // 2),  # 0.5 MiB short of its 32 MiB segment: not split, counted
+    (259 * MIB, MIB),  # 1 MiB left: split only when over 1 MiB (kSmallSize), so counted
+    (int(64.75 * MIB), 0),  # 1.25 MiB left: split off, free, not counted
+    (8 * MIB + 100, 412),  # under 10 MiB: carved from a shared 20 MiB segment, 512-byte rounding
+    (1000, 24),  # small pool: 512-byte rounding
+])
+def test_cuda_rounding_follows_the_caching_allocators_rules(nbytes: int, extra: int) -> None:
+    """Hand-worked from c10/cuda/CUDACachingAllocator.cpp (round_size, get_allocation_size,
+    should_split), not from this code's output."""
+    assert cuda_rounding(nbytes) == extra
+
+
+# Logged runs whose large tensors are 0.5 or 1 MiB short of a 2 MiB multiple (Qwen2.5's and
+# phi-4's fused qkv, gate_up and down; Qwen3-32B's at TP2): their parameters alone are
+# 0.05-0.08 GiB under the log's "Model loading took"; with the allocator's rounding, within
+# the log's print precision (0.005 GiB) plus 1 MiB.
+_ROUNDED = {("Qwen/Qwen2.5-7B-Instruct", 1), ("Qwen/Qwen2.5-72B-Instruct", 2), ("microsoft/phi-4", 1),
+            ("Qwen/Qwen3-32B", 2)}
+
+
+def test_the_allocators_rounding_is_what_the_parameter_count_missed() -> None:
+    checked = 0
+    for run in [*read_runs(LOGS), *read_runs(PUBLIC_LOGS)]:
+        config = find_config(run.model)
+        if (run.model, run.tp) not in _ROUNDED or config is None or run.pp != 1:
+            continue
+        raw = json.loads(config.read_text())
+        dtype = model_dtype(text_config(raw), run.args.get("dtype"))
+        plain = stage_weights(raw, dtype, None, run.tp).max_bytes / GIB
+        rounded = stage_weights(raw, dtype, None, run.tp, cuda=True).max_bytes / GIB
+        assert run.weights_gib - plain > 0.05, run.model
+        assert abs(rounded - run.weights_gib) <= 0.005 + MIB / GIB, (run.model, rounded, run.weights_gib)
+        checked += 1
+    assert checked >= len(_ROUNDED)
 
 
 GPT_OSS_20B = Path(__file__).parents[2] / "../shared/fixtures/model-configs/openai--gpt-oss-20b.json"
