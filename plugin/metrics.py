@@ -116,7 +116,7 @@ def publish_info(vllm_config: Any, settings: KvopsSettings | None) -> None:
         "kvops_info",
         "kvops plugin build and configuration (value is always 1)",
         ("version", "vllm_version", "configured", "features", "config_file",
-         "offload_transfer_mode"),
+         "offload_transfer_mode", "offload_l1_transfer"),
     )
     info.labels(
         version=__version__,
@@ -125,6 +125,7 @@ def publish_info(vllm_config: Any, settings: KvopsSettings | None) -> None:
         features=",".join(features) or "none",
         config_file=(settings.config if settings and settings.config else ""),
         offload_transfer_mode=offload_transfer_mode(vllm_config),
+        offload_l1_transfer=offload_l1_transfer(vllm_config),
     ).set(1)
     enabled = gauge(
         "kvops_feature_enabled", "Whether a kvops feature is switched on (1) or not (0)",
@@ -141,6 +142,15 @@ def offload_transfer_mode(vllm_config: Any) -> str:
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     extra = getattr(transfer, "kv_connector_extra_config", None) or {}
     return str(extra.get("lmcache.mp.mp_transfer_mode", "")) if "kvops.offload" in extra else ""
+
+
+def offload_l1_transfer(vllm_config: Any) -> str:
+    """How engine_driven loads leave LMCache's L1: "shm" (the worker copies from the server's
+    /dev/shm segment) or "pickled" (through ZMQ); "" in lmcache_driven or without kvops offload
+    (kvops.plugin.offload.wiring.with_l1_transfer, whose log line says why)."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(transfer, "kv_connector_extra_config", None) or {}
+    return str(extra.get("kvops.offload.l1_transfer", "")) if "kvops.offload" in extra else ""
 
 
 def publish_scheduler_limits(vllm_config: Any) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvops.core.errors import KvopsPluginError
+from kvops.core.offload.l1_shm import reserved_bytes, served_l1
 from kvops.core.offload.settings import OffloadSettings, digest_budget_bytes
 from kvops.core.units import GIB
 
@@ -41,6 +42,10 @@ class ServerConfig:
     hash_algorithm: str
     adapters: tuple[dict[str, Any], ...]
     """L2 adapters: /config's adapter settings, each with ``type_name`` from /config/adapters."""
+    l1_shm_asked: str = ""
+    """The server's ``--shm-name`` ("" without it)."""
+    l1_pool: str = ""
+    """The /dev/shm segment its L1 lives in ("" when private: engine_driven loads pickle)."""
 
     @classmethod
     def from_json(cls, config: dict[str, Any], adapters: dict[str, Any]) -> ServerConfig:
@@ -51,10 +56,12 @@ class ServerConfig:
             {**entry, "type_name": types[i] if i < len(types) else "?"}
             for i, entry in enumerate(settings)
         )
+        asked, pool = served_l1(config)
         return cls(
             port=int(mp["port"]), chunk_size=int(mp["chunk_size"]),
             transfer_mode=str(mp["supported_transfer_mode"]),
             hash_algorithm=str(mp["hash_algorithm"]), adapters=merged,
+            l1_shm_asked=asked, l1_pool=pool,
         )
 
 
@@ -254,10 +261,7 @@ def check_shm(kv_cache_bytes: int | None, shm: Path = SHM_PATH) -> None:
             "kvops.offload.transfer_mode lmcache_driven needs a known KV cache size to check "
             "/dev/shm: set --kv-cache-memory-bytes (or VLLM_CPU_KVCACHE_SPACE)"
         )
-    try:
-        free = shutil.disk_usage(shm).free
-    except OSError:
-        free = 0
+    free = _free(shm)
     if free < kv_cache_bytes:
         raise KvopsPluginError(
             f"kvops.offload.transfer_mode lmcache_driven needs {kv_cache_bytes / GIB:.2f} GiB in "
@@ -373,8 +377,9 @@ def _no_zero_copy(server_mode: str, kv_cache_bytes: int | None, device: str,
 
 
 def _free(shm: Path) -> int:
+    """Free bytes less what LMCache L1 pools there will still fill (kvops.core.offload.l1_shm)."""
     try:
-        return shutil.disk_usage(shm).free
+        return max(0, shutil.disk_usage(shm).free - reserved_bytes(shm))
     except OSError:
         return 0
 

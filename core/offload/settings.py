@@ -65,11 +65,14 @@ class OffloadSettings(BaseModel):
     chunk_size: int = Field(default=256, gt=0)
     """Tokens per LMCache chunk; must be a multiple of vLLM's block size (128 on CPU)."""
     transfer_mode: TransferModeSetting = "auto"
-    """How KV moves between vLLM and LMCache. engine_driven works everywhere (pickled over
-    ZMQ: +15-30% on every miss, research/offload_bench.md); lmcache_driven is zero-copy through
+    """How KV moves between vLLM and LMCache. engine_driven works everywhere (+15-30% on every
+    miss, research/offload_bench.md): set explicitly, ``kvops offload serve`` puts L1 in /dev/shm
+    where it has room for l1_gib and the worker copies loads from it, else L1 objects are pickled
+    over ZMQ, said in one line (kvops.core.offload.l1_shm); lmcache_driven is zero-copy through
     /dev/shm (needs /dev/shm >= the KV cache). auto: lmcache_driven where the KV cache is on the
     CPU, its size is known and fits the free /dev/shm, and the server accepts it; engine_driven
-    otherwise, with the reason in one line (kvops.core.offload.preflight.choose_transfer_mode)."""
+    (pickled) otherwise, with the reason in one line
+    (kvops.core.offload.preflight.choose_transfer_mode)."""
     server_transfer_mode: ServerTransferMode = "auto"
     """What ``kvops offload serve`` lets the server accept ('auto' accepts both modes)."""
     timeout_s: float = Field(default=10.0, gt=0, le=300)

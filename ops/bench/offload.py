@@ -233,7 +233,9 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
     try:
         server.start()
         sides = (("no_connector", bench.baseline.url), ("offload", server.url))
-        mode = _transfer_mode_of(_samples(server.url))
+        info = _samples(server.url)
+        mode = _transfer_mode_of(info)
+        l1_transfer = (info_labels(info, "kvops_info") or {}).get("offload_l1_transfer", "")
         first = _measure_tiers(server, lmcache, model, bench.prompts, settings.chunk_size,
                                warm_up=True)
         _cycle_kv_cache(server, lmcache, model, settings.chunk_size)
@@ -258,7 +260,7 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
                            load_gb_per_s=first.load_gb_per_s, server_faults=first.faults,
                            loads=first.loads)
     measured = Measured(
-        transfer_mode=mode, runs=steady.runs, baseline=bench.baseline_runs[first_count:],
+        transfer_mode=mode, l1_transfer=l1_transfer, runs=steady.runs, baseline=bench.baseline_runs[first_count:],
         misses=misses, hits=steady.hits, load_gb_per_s=steady.load_gb_per_s,
         store_gb_per_s=_rate(metrics, "kvops_offload_stored_bytes_total",
                              "kvops_offload_store_seconds_sum"),

@@ -78,6 +78,9 @@ class Measured:
     first_pass: FirstPass | None = None
     gaps: Gaps = field(default_factory=dict)
     """The differing texts of ``runs``, scored by the no-connector server."""
+    l1_transfer: str = ""
+    """engine_driven: "shm" (the worker copies from L1 in /dev/shm) or "pickled"; "" otherwise
+    (kvops_info's offload_l1_transfer label)."""
     loads: Loads = field(default_factory=dict)
     """tier -> per hit: (bytes, seconds) the connector counted for its load."""
 
@@ -194,6 +197,7 @@ def variant_result(m: Measured, memcpy_gb_per_s: float) -> dict[str, Any]:
         "differing_outputs": differing_outputs(passes),
         "repeats": repeats,
         "transfer_mode": m.transfer_mode,
+        "l1_transfer": m.l1_transfer,
         "ttft_s": {**ratios["ttft_s"], "no_connector": statistics.median(m.misses["baseline"])},
         "hit_tokens_per_request": {tier: hits / repeats for tier, hits in m.hits.items()},
         "load_gb_per_s": m.load_gb_per_s,

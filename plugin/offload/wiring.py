@@ -11,7 +11,10 @@ import os
 from typing import Any
 
 from kvops.core.errors import KvopsPluginError
+from kvops.core.offload.l1_shm import describe_l1
 from kvops.core.offload.preflight import (
+    ServerConfig,
+    TransferChoice,
     check_disk_dir,
     check_server,
     choose_transfer_mode,
@@ -35,6 +38,8 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 IN_PROCESS_WARNED_ENV = "KVOPS_IN_PROCESS_WARNED"
 KVOPS_EXTRA_KEY = "kvops.offload"
 """Extra-config key that carries the settings to the connector and its metrics (all processes)."""
+L1_TRANSFER_KEY = "kvops.offload.l1_transfer"
+"""Extra-config key with how engine_driven loads leave L1: shm or pickled ("" in lmcache_driven)."""
 
 
 def _device_type() -> str:
@@ -133,7 +138,7 @@ def configure(vllm_config: Any, settings: OffloadSettings) -> None:
         check_disk_dir(settings.disk_path, settings.disk_gib)
     server = fetch_server_config(settings)
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-    settings = resolve_transfer_mode(vllm_config, settings, server.transfer_mode, extra)
+    settings = resolve_transfer_mode(vllm_config, settings, server, extra)
     check_server(settings, server, block_size)
     logger.info("kvops offload: LMCache server %s passed the preflight (transfer mode %s, "
                 "chunk size %d)", settings.http_url, settings.transfer_mode, server.chunk_size)
@@ -164,23 +169,40 @@ def configure(vllm_config: Any, settings: OffloadSettings) -> None:
     install(settings)  # the load-path canary: POST /kvops/offload/check and the periodic check
 
 
-def resolve_transfer_mode(vllm_config: Any, settings: OffloadSettings, server_mode: str,
+def resolve_transfer_mode(vllm_config: Any, settings: OffloadSettings, server: ServerConfig,
                           extra: dict[str, Any]) -> OffloadSettings:
     """transfer_mode auto -> the mode this server uses, said in one line (and in kvops_info's
-    offload_transfer_mode label, read from the extra config written below). The engine core
-    rebuilds the config from the front end's: a mode already written there is kept (the front
-    end's /dev/shm check decided it)."""
+    offload_transfer_mode and offload_l1_transfer labels, read from the extra config written
+    here and below). The engine core rebuilds the config from the front end's: a mode already
+    written there is kept (the front end's /dev/shm check decided it)."""
     decided = extra.get("lmcache.mp.mp_transfer_mode")
     if settings.transfer_mode == "auto" and decided in ("engine_driven", "lmcache_driven"):
         return settings.model_copy(update={"transfer_mode": decided})
     kv_bytes = cpu_kv_cache_bytes(
         getattr(vllm_config.cache_config, "kv_cache_memory_bytes", None), dict(os.environ))
-    choice = choose_transfer_mode(settings.transfer_mode, server_mode, kv_bytes, _device_type())
+    choice = with_l1_transfer(
+        choose_transfer_mode(settings.transfer_mode, server.transfer_mode, kv_bytes, _device_type()),
+        settings, server, extra)
     logger.info("kvops offload: transfer mode %s (%s: %s)", choice.mode, settings.transfer_mode,
                 choice.reason)
     if choice.mode == "lmcache_driven":
         _clean_stale_segments()
     return settings.model_copy(update={"transfer_mode": choice.mode})
+
+
+def with_l1_transfer(choice: TransferChoice, settings: OffloadSettings, server: ServerConfig,
+                     extra: dict[str, Any]) -> TransferChoice:
+    """engine_driven: whether its loads read L1 from the server's /dev/shm segment or get it
+    pickled, added to the reason line and written for kvops_info (never a silent slow path)."""
+    if choice.mode != "engine_driven":
+        extra[L1_TRANSFER_KEY] = ""
+        return choice
+    l1 = describe_l1(server.l1_pool, server.l1_shm_asked, settings.transfer_mode,
+                     local=settings.host in LOCAL_HOSTS)
+    extra[L1_TRANSFER_KEY] = l1.mode
+    if l1.shm_name is None:
+        logger.warning("kvops offload: engine_driven %s", l1.reason)
+    return TransferChoice(choice.mode, f"{choice.reason}; {l1.reason}")
 
 
 def _clean_stale_segments() -> None:

@@ -119,7 +119,9 @@ lmcache_mp_l1_evicted_chunks_total{l1_tag="_default"} 4.0
 
 def test_status_summary_reads_usage_hits_and_evictions():
     summary = summarize("http://x", STATUS, METRICS)
-    assert summary["l1"] == {"used_bytes": 1048576, "capacity_bytes": 268435456, "objects": 2}
+    assert summary["l1"] == {"used_bytes": 1048576, "capacity_bytes": 268435456, "objects": 2,
+                             "transfer": "unknown", "pool": "",
+                             "reason": "the server's /config did not answer"}
     assert summary["l2"][0]["capacity_bytes"] == 10737418
     assert summary["counters"]["hit_tokens_l2"] == 512
     assert summary["counters"]["l1_evicted_chunks"] == 4
@@ -128,6 +130,29 @@ def test_status_summary_reads_usage_hits_and_evictions():
     text = render(summary)
     assert "hits L1 512 + L2 512 tokens (66.7%)" in text
     json.dumps(summary)
+
+
+def test_engine_driven_l1_pool_is_a_flag_lmcache_takes(tmp_path: Path):
+    from kvops.core.offload.l1_shm import L1Transfer
+
+    settings = load_offload_settings(None, {"port": 6001, "transfer_mode": "engine_driven"})
+    args = server_args(settings, L1Transfer("lmcache_l1_pool_kvops_6001", "room"))
+    mp, storage = lmcache_parses(args)
+    assert mp.shm_name == "lmcache_l1_pool_kvops_6001"
+    assert storage.l1_manager_config.memory_config.shm_name == "lmcache_l1_pool_kvops_6001"
+    assert "--shm-name" not in server_args(settings, L1Transfer(None, "no room"))
+    assert "--shm-name" not in server_args(settings)
+
+
+def test_status_says_how_engine_driven_loads_leave_l1():
+    config = {"mp": {"shm_name": "lmcache_l1_pool_kvops_6001"}, "storage_manager": {
+        "l1_manager_configs": [{"memory_config": {"shm_name": "lmcache_l1_pool_kvops_6001"}}]}}
+    shared = summarize("http://x", STATUS, METRICS, config)
+    assert (shared["l1"]["transfer"], shared["l1"]["pool"]) == ("shm", "lmcache_l1_pool_kvops_6001")
+    assert "L1 transfer for engine_driven loads: shm: L1 lives in /dev/shm/lmcache_l1_pool_kvops_6001" in render(shared)
+    private = summarize("http://x", STATUS, METRICS, {"mp": {"shm_name": ""}})
+    assert private["l1"]["transfer"] == "pickled"
+    assert "runs without --shm-name" in render(private)
 
 
 def test_shared_l2_is_a_resp_adapter_lmcache_accepts():

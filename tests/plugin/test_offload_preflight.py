@@ -237,3 +237,27 @@ def test_kvops_info_names_the_resolved_transfer_mode_only_with_kvops_offload():
     assert offload_transfer_mode(config(ours)) == "lmcache_driven"
     assert offload_transfer_mode(config({"lmcache.mp.mp_transfer_mode": "engine_driven"})) == ""
     assert offload_transfer_mode(config(None)) == ""
+
+
+def test_engine_driven_says_how_its_loads_leave_l1_in_the_reason_line_and_kvops_info(tmp_path):
+    from types import SimpleNamespace
+
+    from kvops.core.offload.preflight import TransferChoice
+    from kvops.plugin.metrics import offload_l1_transfer
+    from kvops.plugin.offload.wiring import L1_TRANSFER_KEY, with_l1_transfer
+
+    shared = server(shm_name="lmcache_l1_pool_kvops_25555")
+    assert (shared.l1_shm_asked, shared.l1_pool) == ("lmcache_l1_pool_kvops_25555", "")
+    extra: dict[str, Any] = {"kvops.offload": {}}
+    choice = with_l1_transfer(TransferChoice("engine_driven", "set in kvops.offload.transfer_mode"),
+                              settings(transfer_mode="engine_driven"), shared, extra)
+    assert choice.mode == "engine_driven"
+    assert choice.reason.startswith("set in kvops.offload.transfer_mode; L1 pickled: the server "
+                                    "asked for lmcache_l1_pool_kvops_25555 but LMCache found too "
+                                    "little room")
+    assert extra[L1_TRANSFER_KEY] == "pickled"
+    vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+    assert offload_l1_transfer(vllm_config) == "pickled"
+    zero_copy = with_l1_transfer(TransferChoice("lmcache_driven", "zero-copy"), settings(), shared, extra)
+    assert zero_copy.reason == "zero-copy"
+    assert offload_l1_transfer(vllm_config) == ""

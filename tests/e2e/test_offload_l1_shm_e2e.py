@@ -1,0 +1,110 @@
+"""engine_driven with LMCache's L1 in /dev/shm (issue 43): `kvops offload serve` starts the server
+with --shm-name, the vLLM worker maps the pool and copies an L1 hit from it, and the output is
+the plugin-free server's; the segment is gone once serve stops.
+
+Oracles are external: LMCache's /config and its worker's own log lines (which context it built),
+LMCache's L1 hit counter, vLLM's cached-token count and the greedy output of a server without
+the plugin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from kvops.ops.launch import ManagedServer
+
+from .conftest import STOCK
+from .test_offload_e2e import (
+    CHUNK_TOKENS,
+    Lmcache,
+    cached_tokens,
+    complete,
+    metric,
+    offload_want,
+    reset_vllm_prefix_cache,
+    token_prompt,
+    wait_for,
+)
+
+pytestmark = pytest.mark.e2e
+SERVERS = (STOCK,)
+
+
+@pytest.fixture(scope="module")
+def shm_lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
+    server = Lmcache(tmp_path_factory.mktemp("l1shm"), transfer_mode="engine_driven")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def shm_vllm(vllm, tiny_model, shm_lmcache) -> ManagedServer:
+    offload, _stock = vllm.many(offload_want(tiny_model, shm_lmcache), STOCK.on(tiny_model))
+    return offload
+
+
+@pytest.fixture(scope="module")
+def stock_output(vllm, tiny_model) -> str:
+    stock = vllm(tiny_model, "--max-model-len", "2048", env={"VLLM_PLUGINS": "none"})
+    return str(complete(stock.url, tiny_model, token_prompt(1))["choices"][0]["text"])
+
+
+def pool(lmcache: Lmcache) -> Path:
+    return Path("/dev/shm") / f"lmcache_l1_pool_kvops_{lmcache.settings['port']}"
+
+
+def test_engine_driven_hit_is_copied_from_the_shared_l1_with_identical_output(
+    shm_vllm, tiny_model, shm_lmcache, stock_output
+):
+    assert shm_lmcache.serve is not None
+    serve_out = shm_lmcache.serve.log_path.read_text()
+    assert "L1 transfer for engine_driven loads: shm" in serve_out, serve_out[-2000:]
+    config = requests.get(shm_lmcache.url + "/config", timeout=10).json()
+    assert config["mp"]["shm_name"] == pool(shm_lmcache).name
+    assert pool(shm_lmcache).exists()
+    log = shm_vllm.log_path.read_text(errors="replace")
+    assert "Creating EngineDrivenContextShm" in log, log[-3000:]
+    assert "falling back to pickle" not in log
+    info = metric(shm_vllm.url, "kvops_info", offload_transfer_mode="engine_driven",
+                  offload_l1_transfer="shm")
+    assert info == 1
+
+    prompt = token_prompt(1)
+    cold = complete(shm_vllm.url, tiny_model, prompt)
+    wait_for("LMCache to hold the prefix in L1",
+             lambda: metric(shm_lmcache.url, "lmcache_mp_l1_write_chunks_total") >= 2)
+    reset_vllm_prefix_cache(shm_vllm)
+    l1_hits = metric(shm_lmcache.url, "lmcache_mp_lookup_hit_l1_tokens_total")
+    hit = complete(shm_vllm.url, tiny_model, prompt)
+
+    assert cached_tokens(hit) == CHUNK_TOKENS
+    assert metric(shm_lmcache.url, "lmcache_mp_lookup_hit_l1_tokens_total") - l1_hits == CHUNK_TOKENS
+    assert hit["choices"][0]["text"] == cold["choices"][0]["text"] == stock_output
+
+
+def test_engine_driven_disk_hit_goes_through_the_shared_l1_with_identical_output(
+    shm_vllm, tiny_model, shm_lmcache, stock_output
+):
+    wait_for("the prefix on disk", lambda: metric(
+        shm_lmcache.url, "lmcache_mp_l2_store_completed_objects_chunks_total") >= 2)
+    requests.post(shm_lmcache.url + "/cache/clear", timeout=30).raise_for_status()
+    reset_vllm_prefix_cache(shm_vllm)
+    l2_hits = metric(shm_lmcache.url, "lmcache_mp_lookup_hit_l2_tokens_total")
+
+    hit = complete(shm_vllm.url, tiny_model, token_prompt(1))
+
+    assert cached_tokens(hit) == CHUNK_TOKENS
+    assert metric(shm_lmcache.url, "lmcache_mp_lookup_hit_l2_tokens_total") - l2_hits == CHUNK_TOKENS
+    assert hit["choices"][0]["text"] == stock_output
+    assert "falling back to pickle" not in shm_vllm.log_path.read_text(errors="replace")
+
+
+def test_the_l1_pool_is_removed_when_serve_stops(shm_lmcache):
+    assert pool(shm_lmcache).exists()
+    shm_lmcache.stop()
+    assert not pool(shm_lmcache).exists()
