@@ -24,7 +24,7 @@ def check(
         help="Prompts: plain text one per line, or OpenAI request bodies (JSON with prompt or messages) one per line.")],
     scales: Annotated[Path | None, typer.Option(
         help="Scales file from `kvops calibrate` [default: calibrate on these prompts].")] = None,
-    threshold: Annotated[float, typer.Option(help="Safe when the perplexity ratio to bf16 KV is at most this.")] = 1.005,
+    threshold: Annotated[float, typer.Option(help="Safe when the perplexity ratio to bf16 KV and exp(mean KL) are both at most this.")] = 1.005,
     max_tokens: Annotated[int, typer.Option(help="Tokens scored per prompt (longer prompts are cut).")] = 256,
     greedy_tokens: Annotated[int, typer.Option(help="Greedy tokens generated per prompt to compare (0: none).")] = 0,
     json_out: JsonOut = False,

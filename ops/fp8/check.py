@@ -39,6 +39,7 @@ from kvops.ops.fp8.sensitivity import (
     reference,
     reference_greedy,
     skip_flag,
+    skip_limit,
     with_greedy,
 )
 
@@ -69,15 +70,24 @@ class CheckResult:
     variants: dict[str, Figures]
     skip_layers: tuple[int, ...]
     scales_source: str
+    layers: int = 0
+    """The model's attention layers: the skip-layer advice spares at most skip_limit(layers)."""
 
     @property
     def safe(self) -> bool:
         return self.verdict != NOT_SAFE
 
+    @property
+    def skip_capped(self) -> bool:
+        """Not safe with as many layers spared as the advice allows (spare more and fp8 saves little)."""
+        return self.verdict == NOT_SAFE and self.layers > 0 and len(self.skip_layers) >= skip_limit(self.layers)
+
     def as_json(self) -> dict[str, Any]:
         return {"verdict": self.verdict, "threshold": self.threshold, "sequences": self.sequences,
                 "tokens": self.tokens, "bf16_perplexity": round(self.bf16_perplexity, 6),
                 "skip_layers": list(self.skip_layers), "scales_source": self.scales_source,
+                "skip_layers_limit": skip_limit(self.layers) if self.layers else None,
+                "skip_layers_capped": self.skip_capped,
                 "variants": {name: f.as_json() for name, f in self.variants.items()}}
 
 
@@ -178,7 +188,7 @@ def run_check(req: CheckRequest, say: Callable[[str], None] = lambda _line: None
             variants[f"fp8 calibrated, bf16 layers {' '.join(map(str, skip))}"] = figures(
                 fp8_plan(scales, req.dtype, skip))
     return CheckResult(_verdict(variants, req.threshold, skip), req.threshold, len(sequences), ref.tokens,
-                       ref.perplexity, variants, skip, source)
+                       ref.perplexity, variants, skip, source, len(scales))
 
 
 def _check_scales(req: CheckRequest) -> None:
@@ -220,6 +230,10 @@ def render(result: CheckResult) -> list[str]:
     lines.append(f"{result.verdict} (threshold: perplexity ratio and exp(mean KL) <= {result.threshold:g})")
     if result.verdict.startswith(SAFE_WITH_SKIP):
         lines.append(f"serve with: --kv-cache-dtype fp8 {skip_flag(result.skip_layers)}")
+    elif result.skip_capped:
+        lines.append(f"not safe even with {len(result.skip_layers)} of {result.layers} layers' KV in bf16, the most the "
+                     "advice spares (a quarter: beyond that fp8 saves little); serve this model with bf16 KV, or "
+                     "raise --threshold if its figures above are acceptable for your use")
     return lines
 
 

@@ -170,13 +170,18 @@ class SkipAdvice:
         return self.advised.worst_ratio <= self.threshold
 
 
+def skip_limit(layers: int) -> int:
+    """The most layers the advice keeps in bf16: a quarter of the model's (at least one)."""
+    return max(1, int(layers * DEFAULT_MAX_SKIP_FRACTION))
+
+
 def advise_skip_layers(model: OfflineModel, ref: Reference, scales: Sequence[tuple[float, float]], fmt: str,
                        costs: Sequence[LayerCost], threshold: float = DEFAULT_THRESHOLD,
                        max_skip: int | None = None) -> SkipAdvice:
     """Spare the costliest layers (by KL alone) one by one until the plan's worst ratio
     (Figures.worst_ratio) is within the threshold or max_skip layers are spared; the advice is
     the first plan within the threshold, else the best one tried."""
-    limit = max_skip if max_skip is not None else max(1, int(len(scales) * DEFAULT_MAX_SKIP_FRACTION))
+    limit = max_skip if max_skip is not None else skip_limit(len(scales))
     order = [c.index for c in sorted(costs, key=lambda c: -c.mean_kl)]
     all_fp8 = measure(model, ref, fp8_plan(scales, fmt))
     best: tuple[tuple[int, ...], Figures] = ((), all_fp8)

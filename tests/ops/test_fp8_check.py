@@ -83,6 +83,8 @@ def test_scale_one_everywhere_is_not_safe_exit_3(work: Path) -> None:
     assert code == 3, out
     assert "not safe (threshold: perplexity ratio and exp(mean KL) <= 1.005)" in out
     assert "greedy equal" in out
+    # every layer saturates: sparing the one layer a 4-layer model's advice allows cannot fix it, and it says so
+    assert "not safe even with 1 of 4 layers' KV in bf16, the most the advice spares" in out
 
 
 def test_request_bodies_and_json_output(work: Path, tmp_path: Path) -> None:
@@ -98,6 +100,8 @@ def test_request_bodies_and_json_output(work: Path, tmp_path: Path) -> None:
     assert invoked.exit_code == 0, invoked.output
     result = json.loads(invoked.stdout)
     assert result["verdict"] == "safe"
+    assert result["skip_layers_limit"] == 1
+    assert result["skip_layers_capped"] is False
     assert result["sequences"] == 3
     assert set(result["variants"]) == {"fp8 scale 1.0", "fp8 calibrated"}
 
