@@ -139,18 +139,21 @@ def publish_info(vllm_config: Any, settings: KvopsSettings | None) -> None:
 def offload_transfer_mode(vllm_config: Any) -> str:
     """The transfer mode the offload connector runs (transfer_mode auto resolved by the
     preflight, kvops.plugin.offload.wiring), or "" without kvops offload."""
-    transfer = getattr(vllm_config, "kv_transfer_config", None)
-    extra = getattr(transfer, "kv_connector_extra_config", None) or {}
-    return str(extra.get("lmcache.mp.mp_transfer_mode", "")) if "kvops.offload" in extra else ""
+    return _offload_extra(vllm_config, "lmcache.mp.mp_transfer_mode")
 
 
 def offload_l1_transfer(vllm_config: Any) -> str:
     """How engine_driven loads leave LMCache's L1: "shm" (the worker copies from the server's
     /dev/shm segment) or "pickled" (through ZMQ); "" in lmcache_driven or without kvops offload
     (kvops.plugin.offload.wiring.with_l1_transfer, whose log line says why)."""
+    return _offload_extra(vllm_config, "kvops.offload.l1_transfer")
+
+
+def _offload_extra(vllm_config: Any, key: str) -> str:
+    """A value the offload preflight wrote into the connector's extra config ("" without kvops offload)."""
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     extra = getattr(transfer, "kv_connector_extra_config", None) or {}
-    return str(extra.get("kvops.offload.l1_transfer", "")) if "kvops.offload" in extra else ""
+    return str(extra.get(key, "")) if "kvops.offload" in extra else ""
 
 
 def publish_scheduler_limits(vllm_config: Any) -> None:
