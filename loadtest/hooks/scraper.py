@@ -16,6 +16,14 @@ from kvops.core.errors import KvopsError
 from kvops.core.prom import MetricsSample, scrape
 from kvops.core.promql import FleetReadings, Prometheus, replica_samples
 
+DRAIN_S = 10.0
+"""How long sampling goes on after the run while the server still runs or queues requests."""
+
+
+def busy(sample: MetricsSample) -> bool:
+    """Whether the server had a request running or waiting at this reading."""
+    return sample.get("running") + sample.get("waiting") > 0
+
 
 class MetricsScraper:
     """Keeps every sample; scrape failures are counted, not fatal (the server may be struggling)."""
@@ -47,13 +55,21 @@ class MetricsScraper:
         except KvopsError as exc:
             self.failures.append(str(exc))
 
-    def stop(self, settle_s: float = 1.0) -> None:
-        """Stop sampling; one last sample after ``settle_s`` so counters include the tail."""
+    def stop(self, settle_s: float = 1.0, drain_s: float | None = None) -> None:
+        """Stop sampling; one last sample after ``settle_s`` so counters include the tail, and
+        more while the server still runs or queues requests, for up to ``drain_s``
+        (DRAIN_S): a request the run abandoned at its end may still be scheduled (its prefix
+        queries, its preemptions counted) before vLLM sees the client gone, and the counters
+        the verdict reads must include it. A server busy with others' traffic costs the wait."""
         if self._greenlet is not None:
             self._greenlet.kill(block=True)
             self._greenlet = None
         gevent.sleep(settle_s)
         self.sample_now()
+        deadline = time.monotonic() + (DRAIN_S if drain_s is None else drain_s)
+        while self.samples and busy(self.samples[-1]) and time.monotonic() < deadline:
+            gevent.sleep(self.interval_s)
+            self.sample_now()
 
     def _loop(self) -> None:
         next_at = time.monotonic()
@@ -81,12 +97,12 @@ class PrometheusSampler(MetricsScraper):
         self._per_replica: dict[str, list[MetricsSample]] = {}
         self.replicas, self.missed = self._per_replica, self.fleet.missed
 
-    def stop(self, settle_s: float = 1.0) -> None:
+    def stop(self, settle_s: float = 1.0, drain_s: float | None = None) -> None:
         """Stop as MetricsScraper does, then read on while a replica is missing from the last
         reading, for up to CATCH_UP_S: one whose scrapes failed over the run's end (too busy to
         answer, as a KV-bound replica is) has counted preemptions that only its next reading
         brings (kvops.loadtest.analysis.kv._counter_edge). A replica gone for good costs the wait."""
-        super().stop(settle_s)
+        super().stop(settle_s, drain_s)
         deadline = time.monotonic() + CATCH_UP_S
         while self.samples and self.samples[-1].unread and time.monotonic() < deadline:
             gevent.sleep(self.interval_s)
