@@ -191,8 +191,8 @@ def non_kv_terms(inp: PlanInputs, max_num_seqs: int, mnbt: int) -> tuple[NonKvTe
                           if inp.device == "cuda" else (0.0, "no CUDA graphs on cpu")),
     }
     terms = {"weights_gib": (inp.weights_rank_bytes or 0) / GIB}
-    sources = {"weights_gib": inp.weights_source + (" / (TP × PP)" if inp.weights_source == WEIGHTS_FROM_HEADERS
-                                                     else "")}
+    sources = {"weights_gib": inp.weights_source.replace(WEIGHTS_FROM_HEADERS, f"{WEIGHTS_FROM_HEADERS} / (TP × PP)", 1)
+               if inp.weights_source.startswith(WEIGHTS_FROM_HEADERS) else inp.weights_source}
     if cal is not None and cal.weights_gib is not None and cal.model == inp.model_ref:
         terms["weights_gib"], sources["weights_gib"] = cal.weights_gib, f"{cal_source}, same model"
     for key, (default, why) in defaults.items():

@@ -58,7 +58,7 @@ from kvops.ops.capacity.tiers import (
     with_offload_decision,
 )
 from kvops.ops.capacity.trace import trace_profile, trace_workload, with_trace
-from kvops.ops.capacity.weights import prefill_flops_per_token, stage_weights
+from kvops.ops.capacity.weights import beyond_checkpoint, prefill_flops_per_token, stage_weights
 from kvops.ops.capacity.workload import Workload, from_file, from_quantiles, parse_quantile
 
 
@@ -229,7 +229,16 @@ def _weights(req: PlanRequest, raw: dict[str, Any]) -> tuple[int, str]:
         if req.quantization is not None:
             raise BadInputError("--quantization with --model-dir: the safetensors headers already hold the "
                                 "checkpoint's bytes; drop --quantization")
-        return safetensors_bytes(req.model_dir) // ranks, WEIGHTS_FROM_HEADERS
+        checkpoint, cfg = safetensors_bytes(req.model_dir) // ranks, text_config(raw)
+        rotary, rounding = beyond_checkpoint(
+            raw, model_dtype(cfg, req.dtype),
+            weight_format(cfg.get("quantization_config"), None, req.gpu if req.device == "cuda" else None),
+            req.tensor_parallel_size, req.pipeline_parallel_size, parse_pp_layer_partition(req.pp_layer_partition),
+            cuda=req.device == "cuda")
+        extra = f" + rotary cos/sin caches {rotary / GIB:.3f} GiB" if rotary else ""
+        extra += (f" + the CUDA caching allocator's rounding of each large tensor {rounding / GIB:.3f} GiB "
+                  "(shapes from config.json)" if req.device == "cuda" else "")
+        return checkpoint + rotary + rounding, WEIGHTS_FROM_HEADERS + extra
     cfg = text_config(raw)
     fmt = weight_format(cfg.get("quantization_config"), req.quantization, req.gpu if req.device == "cuda" else None)
     dtype = model_dtype(cfg, req.dtype)
@@ -360,7 +369,7 @@ def _input_notes(inp: PlanInputs, weights_source: str) -> list[str]:
     notes = []
     if inp.device_total_source:
         notes.append(f"device memory {inp.gpu_total_gib:.2f} GiB: {inp.device_total_source}")
-    if inp.weights_source != WEIGHTS_FROM_HEADERS and not weights_source.startswith("calibration"):
+    if not inp.weights_source.startswith(WEIGHTS_FROM_HEADERS) and not weights_source.startswith("calibration"):
         rounding = ", with the CUDA caching allocator's rounding of each large tensor" if inp.device == "cuda" else ""
         notes.append(f"weights {inp.weights_source}: counted per rank as vLLM shards them{rounding}; pass "
                      "--model-dir for the safetensors bytes")

@@ -319,6 +319,18 @@ def stage_weights(raw: Mapping[str, Any], dtype: str, fmt: WeightFormat | None, 
                               for s in stages), rank_params(raw)[0].total)
 
 
+def beyond_checkpoint(raw: Mapping[str, Any], dtype: str, fmt: WeightFormat | None, tp: int = 1, pp: int = 1,
+                      partition: tuple[int, ...] | None = None, cuda: bool = False) -> tuple[int, int]:
+    """What one rank's "Model loading took" holds beyond its share of the checkpoint's tensors:
+    (the rotary cos/sin caches vLLM builds, in the model dtype; on a CUDA device the caching
+    allocator's rounding (cuda_rounding) of the tensors vLLM builds, fused qkv and gate_up
+    sharded, where the checkpoint's are unfused). The largest stage's rounding: a --model-dir
+    plan splits the headers evenly."""
+    dtype_bytes = int(MODEL_DTYPE_BYTES[dtype])
+    rounding = max(s.allocator_rounding(dtype_bytes, fmt) for s in rank_params(raw, tp, pp, partition)) if cuda else 0
+    return _rotary_cache(text_config(raw)) * dtype_bytes, rounding
+
+
 def prefill_flops_per_token(raw: Mapping[str, Any]) -> float:
     """Matmul FLOPs one prompt token costs: 2 × the weights it passes through (the linears and the
     experts its router picks; a prefill computes the LM head for its last token only), the measure

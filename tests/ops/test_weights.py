@@ -191,3 +191,48 @@ def test_plan_refuses_a_method_that_needs_a_quantized_checkpoint() -> None:
     assert out.exit_code == 2
     assert "--quantization gptq" in out.output
     assert "Traceback" not in out.output
+
+
+def _checkpoint_header(raw: dict[str, Any], directory: Path) -> None:
+    """A safetensors file holding only the header of the checkpoint transformers writes for this
+    config (every state-dict tensor, its shape, bf16; tied weights once), built on the meta device."""
+    import struct
+
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**{k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype")})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    header, offset = {}, 0
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        size = tensor.numel() * 2
+        header[name] = {"dtype": "BF16", "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text)
+
+
+@pytest.mark.parametrize(("model", "tp"), sorted({*_ROUNDED, ("Qwen/Qwen2.5-7B-Instruct", 2), ("Qwen/Qwen2.5-7B-Instruct", 4)}))
+def test_a_model_dir_plan_holds_what_vllm_builds_beyond_the_checkpoint(model: str, tp: int, tmp_path: Path) -> None:
+    """--model-dir on a GPU: the checkpoint's bytes split over the ranks, plus what vLLM's
+    "Model loading took" holds beyond them (rotary caches, the allocator's rounding of its fused
+    tensors), meet the logged runs as the config.json count does."""
+    run = next(r for r in [*read_runs(LOGS), *read_runs(PUBLIC_LOGS)] if (r.model, r.tp, r.pp) == (model, tp, 1))
+    config = find_config(run.model)
+    assert config is not None
+    raw = json.loads(config.read_text())
+    _checkpoint_header(raw, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    args = ["plan", "--config", str(tmp_path / "config.json"), "--model-dir", str(tmp_path), "--gpu", "H100",
+            "--max-model-len", "4096", "-tp", str(tp), "--gpu-memory-utilization", "0.95", "--json"]
+    if run.args.get("dtype"):
+        args += ["--dtype", str(run.args["dtype"])]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    weights, source = plan["non_kv"]["weights_gib"], plan["non_kv_sources"]["weights_gib"]
+    assert source.startswith("safetensors headers / (TP × PP) + rotary"), source
+    assert abs(weights - run.weights_gib) <= 0.005 + MIB / GIB, (weights, run.weights_gib, source)
