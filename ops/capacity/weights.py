@@ -68,23 +68,23 @@ class RankParams:
         """Bytes on the device: quantized tensors at the format's size, the rest in the model dtype."""
         if fmt is None:
             return dtype_bytes * self.total
-        kept = self.embedding + self.other + (0 if fmt.lm_head else self.lm_head)
+        kept = self.embedding + self.other
         hidden, width = self.expert_shape
         if fmt.expert_layout is not None and self.experts:  # experts (and their biases) as the kernel lays them out
-            quant_experts: float = self.experts // (3 * hidden * width) * fmt.expert_layout.expert_bytes(
+            quantized: float = self.experts // (3 * hidden * width) * fmt.expert_layout.expert_bytes(
                 hidden, width, biased=self.expert_bias > 0)
         else:
-            quant_experts = self.experts * fmt.per_element + self.expert_rows * fmt.per_row
+            quantized = self.experts * fmt.per_element + self.expert_rows * fmt.per_row
             kept += self.expert_bias
-        if fmt.experts_only:
-            kept += self.linear
-            quantized = quant_experts
+        if quantizes(fmt, "linear"):
+            quantized += self.linear * fmt.per_element + self.linear_rows * fmt.per_row
         else:
-            quantized = quant_experts + self.linear * fmt.per_element + self.linear_rows * fmt.per_row
-            if fmt.lm_head:
-                quantized += self.lm_head * fmt.per_element
+            kept += self.linear
+        if quantizes(fmt, "lm_head"):
+            quantized += self.lm_head * fmt.per_element
+        else:
+            kept += self.lm_head
         return dtype_bytes * kept + math.ceil(quantized)
-
 
     def allocator_rounding(self, dtype_bytes: int, fmt: WeightFormat | None) -> int:
         """What the CUDA caching allocator counts beyond the large tensors' own bytes (cuda_rounding)."""
@@ -92,11 +92,17 @@ class RankParams:
         for kind, elements in self.tensors:
             if kind == "experts" and fmt is not None and fmt.expert_layout is not None:
                 continue  # laid out (padded) by the kernel's own rules (mxfp4.py)
-            quantized = fmt is not None and (kind == "experts" or (kind == "linear" and not fmt.experts_only)
-                                             or (kind == "lm_head" and fmt.lm_head))
-            nbytes = math.ceil(elements * fmt.per_element) if quantized and fmt is not None else elements * dtype_bytes
+            nbytes = math.ceil(elements * fmt.per_element) if fmt is not None and quantizes(fmt, kind) \
+                else elements * dtype_bytes
             total += cuda_rounding(nbytes)
         return total
+
+
+def quantizes(fmt: WeightFormat, kind: str) -> bool:
+    """Whether a weight format stores this kind of tensor (RankParams.tensors' kinds) quantized:
+    experts always, the linears unless it quantizes experts only, the LM head when it says so;
+    embeddings never."""
+    return kind == "experts" or (kind == "linear" and not fmt.experts_only) or (kind == "lm_head" and fmt.lm_head)
 
 
 _MIB = 1 << 20
