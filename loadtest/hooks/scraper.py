@@ -17,12 +17,13 @@ from kvops.core.prom import MetricsSample, scrape
 from kvops.core.promql import FleetReadings, Prometheus, replica_samples
 
 DRAIN_S = 10.0
-"""How long sampling goes on after the run while the server still runs or queues requests."""
+"""How long sampling goes on after the run while the server runs or queues more requests than
+before it."""
 
 
-def busy(sample: MetricsSample) -> bool:
-    """Whether the server had a request running or waiting at this reading."""
-    return sample.get("running") + sample.get("waiting") > 0
+def in_flight(sample: MetricsSample) -> float:
+    """Requests the server ran or queued at this reading."""
+    return sample.get("running") + sample.get("waiting")
 
 
 class MetricsScraper:
@@ -57,17 +58,18 @@ class MetricsScraper:
 
     def stop(self, settle_s: float = 1.0, drain_s: float | None = None) -> None:
         """Stop sampling; one last sample after ``settle_s`` so counters include the tail, and
-        more while the server still runs or queues requests, for up to ``drain_s``
-        (DRAIN_S): a request the run abandoned at its end may still be scheduled (its prefix
-        queries, its preemptions counted) before vLLM sees the client gone, and the counters
-        the verdict reads must include it. A server busy with others' traffic costs the wait."""
+        more while the server runs or queues more requests than at the first reading (others'
+        traffic), for up to ``drain_s`` (DRAIN_S): a request the run abandoned at its end may
+        still be scheduled (its prefix queries, its preemptions counted) before vLLM sees the
+        client gone, and the counters the verdict reads must include it."""
         if self._greenlet is not None:
             self._greenlet.kill(block=True)
             self._greenlet = None
         gevent.sleep(settle_s)
         self.sample_now()
         deadline = time.monotonic() + (DRAIN_S if drain_s is None else drain_s)
-        while self.samples and busy(self.samples[-1]) and time.monotonic() < deadline:
+        while (self.samples and in_flight(self.samples[-1]) > in_flight(self.samples[0])
+               and time.monotonic() < deadline):
             gevent.sleep(self.interval_s)
             self.sample_now()
 
