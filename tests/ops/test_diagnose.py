@@ -40,8 +40,21 @@ def test_a_request_seen_waiting_once_is_not_a_queue():
 
 
 def test_waiting_with_free_kv_is_compute_bound():
-    assert _causes(diagnose_samples(*_pair(waiting=3, kv_usage=0.2))) == [
-        ("kv-exhaustion", "compute-bound")]
+    # requests finished in the window, their TTFT mostly prefill: no queueing verdict
+    verdicts = diagnose_samples(*_pair(waiting=3, kv_usage=0.2, queue_sum=1.0, queue_count=4.0,
+                                       ttft_sum=4.0, ttft_count=4.0))
+    assert _causes(verdicts) == [("kv-exhaustion", "compute-bound")]
+    assert "ttft_split" not in verdicts[0].evidence
+
+
+def test_a_window_in_which_no_request_finished_says_ttft_cannot_be_split():
+    # vLLM observes queue time at a request's finish: long outputs through one slot can finish
+    # none in a short window, and "not queueing" would be a guess (a runbook check read so on a
+    # starved CPU)
+    verdicts = diagnose_samples(*_pair(waiting=3, kv_usage=0.2, running=1))
+    assert _causes(verdicts) == [("kv-exhaustion", "compute-bound")]
+    assert verdicts[0].evidence["finished_in_window"] == 0
+    assert "rerun with --window 60" in verdicts[0].evidence["ttft_split"]
 
 
 def test_prefix_caching_off_and_queueing():
