@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from sse_servers import serving
+from sse_servers import serving, url_of
 
 from kvops.loadtest.hooks.scraper import MetricsScraper
 
@@ -58,7 +58,7 @@ def page():
 
 
 def test_the_last_reading_is_taken_once_the_server_is_idle(page):
-    scraper = MetricsScraper(f"http://127.0.0.1:{page.server_port}", interval_s=0.05)
+    scraper = MetricsScraper(url_of(page), interval_s=0.05)
     scraper.sample_now()  # the run's first reading
     page.busy_reads = 4
     scraper.stop(settle_s=0.0)
@@ -68,7 +68,7 @@ def test_the_last_reading_is_taken_once_the_server_is_idle(page):
 
 def test_others_traffic_running_before_the_run_is_not_waited_for(page):
     page.others = 2
-    scraper = MetricsScraper(f"http://127.0.0.1:{page.server_port}", interval_s=0.05)
+    scraper = MetricsScraper(url_of(page), interval_s=0.05)
     scraper.sample_now()
     page.busy_reads = 3
     scraper.stop(settle_s=0.0)
@@ -76,7 +76,7 @@ def test_others_traffic_running_before_the_run_is_not_waited_for(page):
 
 
 def test_a_server_that_stays_busy_costs_no_more_than_the_drain_bound(page):
-    scraper = MetricsScraper(f"http://127.0.0.1:{page.server_port}", interval_s=0.05)
+    scraper = MetricsScraper(url_of(page), interval_s=0.05)
     scraper.sample_now()
     page.busy_reads = 10_000
     started = time.monotonic()
@@ -86,7 +86,7 @@ def test_a_server_that_stays_busy_costs_no_more_than_the_drain_bound(page):
 
 
 def test_an_idle_server_is_read_once(page):
-    scraper = MetricsScraper(f"http://127.0.0.1:{page.server_port}", interval_s=0.05)
+    scraper = MetricsScraper(url_of(page), interval_s=0.05)
     scraper.sample_now()
     scraper.stop(settle_s=0.0)
     assert len(scraper.samples) == 2
