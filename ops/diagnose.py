@@ -102,9 +102,10 @@ def diagnose_samples(first: Any, last: Any) -> list[Verdict]:
             {"queue_mean_s": round(queue, 4), "ttft_mean_s": round(ttft, 4), "waiting": waiting},
             "most of TTFT is queueing: arrival rate exceeds the drain rate; compare with a baseline "
             "via `kvops loadtest ttft-regression --baseline FILE` (`kvops runbook ttft-regression`)"))
-    elif waiting >= 1 and (queue is None or not ttft) and verdicts[0].problem == "kv-exhaustion":
+    elif waiting >= 1 and (queue is None or not ttft):
         # vLLM observes a request's queue time when it finishes and its TTFT at its first token:
-        # a window in which none did cannot say whether queueing is most of TTFT, and says so
+        # a window in which none did cannot say whether queueing is most of TTFT, and the
+        # kv-exhaustion verdict that waiting requests always give (first in the list) says so
         window_s = last.t - first.t
         verdicts[0].evidence["finished_in_window"] = delta(first, last, "queue_count")
         verdicts[0].evidence["ttft_split"] = (

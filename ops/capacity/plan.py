@@ -225,25 +225,21 @@ def _weights(req: PlanRequest, raw: dict[str, Any]) -> tuple[int, str]:
     """One rank's weights: the safetensors headers split evenly, or counted from config.json as
     vLLM shards them (the largest pipeline stage: vLLM sizes every rank's cache alike)."""
     ranks = req.tensor_parallel_size * req.pipeline_parallel_size
-    if req.model_dir:
-        if req.quantization is not None:
-            raise BadInputError("--quantization with --model-dir: the safetensors headers already hold the "
-                                "checkpoint's bytes; drop --quantization")
-        checkpoint, cfg = safetensors_bytes(req.model_dir) // ranks, text_config(raw)
-        rotary, rounding = beyond_checkpoint(
-            raw, model_dtype(cfg, req.dtype),
-            weight_format(cfg.get("quantization_config"), None, req.gpu if req.device == "cuda" else None),
-            req.tensor_parallel_size, req.pipeline_parallel_size, parse_pp_layer_partition(req.pp_layer_partition),
-            cuda=req.device == "cuda")
+    if req.model_dir and req.quantization is not None:
+        raise BadInputError("--quantization with --model-dir: the safetensors headers already hold the "
+                            "checkpoint's bytes; drop --quantization")
+    checkpoint = safetensors_bytes(req.model_dir) // ranks if req.model_dir else None
+    cfg, cuda = text_config(raw), req.device == "cuda"
+    fmt = weight_format(cfg.get("quantization_config"), req.quantization, req.gpu if cuda else None)
+    dtype = model_dtype(cfg, req.dtype)
+    shape = (req.tensor_parallel_size, req.pipeline_parallel_size, parse_pp_layer_partition(req.pp_layer_partition))
+    if checkpoint is not None:
+        rotary, rounding = beyond_checkpoint(raw, dtype, fmt, *shape, cuda=cuda)
         extra = f" + rotary cos/sin caches {rotary / GIB:.3f} GiB" if rotary else ""
         extra += (f" + the CUDA caching allocator's rounding of each large tensor {rounding / GIB:.3f} GiB "
-                  "(shapes from config.json)" if req.device == "cuda" else "")
+                  "(shapes from config.json)" if cuda else "")
         return checkpoint + rotary + rounding, WEIGHTS_FROM_HEADERS + extra
-    cfg = text_config(raw)
-    fmt = weight_format(cfg.get("quantization_config"), req.quantization, req.gpu if req.device == "cuda" else None)
-    dtype = model_dtype(cfg, req.dtype)
-    weights = stage_weights(raw, dtype, fmt, req.tensor_parallel_size, req.pipeline_parallel_size,
-                            parse_pp_layer_partition(req.pp_layer_partition), cuda=req.device == "cuda")
+    weights = stage_weights(raw, dtype, fmt, *shape, cuda=cuda)
     return weights.max_bytes, f"{WEIGHTS_ESTIMATED} ({fmt.source if fmt else dtype})"
 
 
