@@ -39,6 +39,7 @@ from kvops.plugin.offload.integrity import (
     block_keys,
     first_group_blocks,
 )
+from kvops.plugin.offload.layout import kv_layout, tag_adapters
 from kvops.plugin.offload.prom import OffloadPromMetrics
 from kvops.plugin.offload.stats import OffloadStats
 from kvops.plugin.offload.wiring import KVOPS_EXTRA_KEY, LOCAL_HOSTS
@@ -77,6 +78,10 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
                 f"the engine's connect ({_first_line(exc)}): check its log and restart it "
                 f"({SERVE_HINT}), then start vLLM again"
             )
+        keyed = tag_adapters(self, kv_layout(vllm_config))
+        if role == KVConnectorRole.SCHEDULER:
+            logger.info("kvops offload: LMCache keys this server's chunks as %s (model and KV "
+                        "layout: chunks of another dtype or other fp8 scales are misses)", keyed)
 
     # -- scheduler side ------------------------------------------------------------------------
 
