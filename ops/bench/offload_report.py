@@ -24,7 +24,8 @@ Gaps = dict[str, list[tuple[float, ...] | None]]
 the token's, ops/bench/greedy.py) of the offload server's text, scored where that text differs
 from the no-connector server's own (None: not scored)."""
 
-OUTPUT_KEYS = ("outputs_identical", "outputs_correct", "tie_flips", "wrong_outputs", "max_logprob_gap")
+OUTPUT_KEYS = ("outputs_identical", "outputs_correct", "tie_flips", "wrong_outputs", "max_logprob_gap",
+               "split_matched_outputs")
 """What a pass, a variant and a tuning row say about the greedy texts."""
 
 FIGURE_KEYS = ("load_ms_per_mib", "memcpy_ms_per_mib", "load_copy_fraction_of_memcpy", "load_mib_per_hit",
@@ -49,6 +50,8 @@ class FirstPass:
     server_faults: dict[str, list[int]] = field(default_factory=dict)
     gaps: Gaps = field(default_factory=dict)
     loads: Loads = field(default_factory=dict)
+    split_baseline: list[str] = field(default_factory=list)
+    """As in ``Measured``."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,11 @@ class Measured:
     (kvops_info's offload_l1_transfer label)."""
     loads: Loads = field(default_factory=dict)
     """tier -> per hit: (bytes, seconds) the connector counted for its load."""
+    split_baseline: list[str] = field(default_factory=list)
+    """A plugin-free server's text on each prompt of ``baseline`` when its prefill is split where
+    a full hit splits it (all but the last token, then that token: ``offload.SPLIT_ARGS``); what an
+    L1 or disk hit must equal where this CPU's kernels round a split prefill differently (empty:
+    not measured)."""
 
 
 def tier_ratios(runs: dict[str, list[tuple[float, str]]]) -> dict[str, Any]:
@@ -117,24 +125,35 @@ def outputs(measured: FirstPass | Measured) -> list[Output]:
         per_prompt = measured.gaps.get(tier, [])
         return per_prompt[index] if index < len(per_prompt) else None
 
-    return [Output(tier, index, text, (measured.baseline[index][1],), gap(tier, index))
+    def expected(tier: str, index: int) -> tuple[str, ...]:
+        split = measured.split_baseline
+        same_split = (split[index],) if tier != "cold" and index < len(split) else ()
+        return (measured.baseline[index][1], *same_split)
+
+    return [Output(tier, index, text, expected(tier, index), gap(tier, index))
             for tier, runs in measured.runs.items() for index, (_, text) in enumerate(runs)]
 
 
+def _differs(output: Output) -> bool:
+    """The text is not the no-connector server's unsplit one (it may still be its split one)."""
+    return output.text is not None and output.text != output.expected[0]
+
+
 def output_checks(judged: list[Output]) -> dict[str, Any]:
-    """OUTPUT_KEYS over ``judged``: identical (no text differs), correct (every difference a tie
-    flip), the counts and the largest gap scored."""
+    """OUTPUT_KEYS over ``judged``: identical (no text differs from the unsplit one), correct
+    (every difference the same-split text or a tie flip), the counts and the largest gap scored."""
     counts = tally(judged)
-    return {"outputs_identical": not any(output.unexpected for output in judged),
-            "outputs_correct": counts["wrong_outputs"] == 0, **counts}
+    return {"outputs_identical": not any(_differs(output) for output in judged),
+            "outputs_correct": counts["wrong_outputs"] == 0, **counts,
+            "split_matched_outputs": sum(_differs(output) and not output.unexpected for output in judged)}
 
 
 def differing_outputs(passes: dict[str, list[Output]]) -> list[dict[str, Any]]:
     """Each text that differs from the no-connector server's, named by pass, tier and prompt."""
     return [{"pass": name, "tier": output.tier, "prompt": output.prompt, "got": output.text,
              "expected": output.expected[0], "logprob_gaps": output.gaps,
-             "verdict": "tie_flip" if output.tie_flip else "wrong"}
-            for name, judged in passes.items() for output in judged if output.unexpected]
+             "verdict": "split_matched" if not output.unexpected else "tie_flip" if output.tie_flip else "wrong"}
+            for name, judged in passes.items() for output in judged if _differs(output)]
 
 
 def faults_per_load(faults: dict[str, list[int]]) -> dict[str, float | None]:

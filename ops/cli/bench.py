@@ -43,8 +43,19 @@ def bench(
     if name.value != "chaos" and (faults or fault_seconds != 15.0):
         raise BadInputError(f"--faults/--fault-seconds are for `kvops bench chaos`, not {name.value}")
     module = importlib.import_module(f"kvops.ops.bench.{name.value}")
-    result: dict[str, Any] = module.run(**chaos) if name.value == "chaos" else module.run()
-    result = {"bench": name.value, **result}  # names its kind, so it is told apart from a plan (core/kinds.py)
+    try:
+        result: dict[str, Any] = module.run(**chaos) if name.value == "chaos" else module.run()
+    except KeyboardInterrupt:  # SIGTERM too (cli.main.Terminated): what a long run measured
+        done = getattr(module, "partial", lambda: None)()  # its servers are stopped by now
+        if done:
+            _emit({"bench": name.value, "complete": False, **done}, json_out, out)
+        raise
+    _emit({"bench": name.value, **result}, json_out, out)
+
+
+def _emit(result: dict[str, Any], json_out: bool, out: str) -> None:
+    """Print ``result`` (its ``bench`` key names its kind, so it is told apart from a plan:
+    core/kinds.py), and write it to ``out`` when given."""
     text = json.dumps(result, indent=None if json_out else 2, sort_keys=False)
     if out:
         with open(out, "w") as handle:

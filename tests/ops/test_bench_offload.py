@@ -144,6 +144,32 @@ def test_a_text_whose_greedy_token_had_a_clear_margin_is_a_wrong_output():
     assert report["modes"]["engine_driven"]["outputs_correct"] is True
 
 
+def test_a_hit_that_equals_the_same_split_server_is_correct_but_a_cold_text_must_be_unsplit():
+    """On an AMX CPU stock vLLM's greedy text moves with the prefill split: a hit (all but the
+    last token loaded, that one computed) must equal the no-connector server whose prefill splits
+    there, and is then correct though not identical, with no scoring; a cold text equal to it
+    (a cold prefill has no split) and a hit equal to neither stay unexpected."""
+    from dataclasses import replace
+
+    m = _measured("lmcache_driven", l1=0.05, miss=0.02)
+    m = replace(m, split_baseline=["w5 w8"] * 3,
+                runs={"cold": [(2.0, "w5 w6"), (2.0, "w5 w6"), (2.0, "w5 w8")],
+                      "l1": [(0.1, "w5 w8"), (0.1, "w5 w6"), (0.1, "w5 w9")],
+                      "disk": [(0.2, "w5 w8")] * 3})
+    report = _report(m, _measured("engine_driven", 0.25, 0.2), [])
+    assert report["split_matched_outputs"] == 4  # l1 prompt 0, disk 0-2
+    assert report["outputs_identical"] is False
+    assert (report["wrong_outputs"], report["tie_flips"]) == (2, 0)  # cold 2, l1 2: not scored
+    verdicts = {(d["tier"], d["prompt"]): d["verdict"] for d in report["differing_outputs"]}
+    assert verdicts == {("cold", 2): "wrong", ("l1", 0): "split_matched", ("l1", 2): "wrong",
+                        ("disk", 0): "split_matched", ("disk", 1): "split_matched",
+                        ("disk", 2): "split_matched"}
+    only_split = replace(m, runs={**m.runs, "cold": [(2.0, "w5 w6")] * 3, "l1": [(0.1, "w5 w8")] * 3})
+    report = _report(only_split, _measured("engine_driven", 0.25, 0.2), [])
+    assert (report["outputs_correct"], report["outputs_identical"], report["split_matched_outputs"]) == (True, False, 6)
+    assert report["modes"]["lmcache_driven"]["split_matched_outputs"] == 6
+
+
 def test_each_pass_scores_its_own_differences_and_the_variant_both():
     """A wrong disk hit in the first pass and a tie flip in the measured one: the first pass
     says wrong, the variant (top level) counts both and is not correct."""
