@@ -3,8 +3,9 @@ started from the serve.sh that `kvops plan --device cpu --out-dir` wrote, with `
 a ``--served-model-name`` that is not its path, shared by every test here. Oracles: the server's
 own log line and /metrics, its answers (401 without the key, /v1/models), and Locust's web UI.
 
-Not here: ``kvops calibrate`` runs an fp8 KV cache, which vLLM refuses on an AVX2-only CPU like
-this machine (tests/fp8_cpu.py skips those tests on such machines).
+The ML engineer's first commands (calibrate, then plan and serve fp8 KV with the scales) serve
+fp8 KV, which vLLM refuses on an AVX2-only CPU: that test runs on AVX-512/AMX CPUs only
+(tests/fp8_cpu.py says why where it skips).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from fp8_cpu import needs_fp8_cpu
 from typer.testing import CliRunner
 
 from kvops.core.proc import free_port
@@ -50,6 +52,15 @@ def staging(vllm, tiny_model, tmp_path_factory):
                                    "--memory-gib", "1.5", "--max-model-len", "2k", "--out-dir", str(out),
                                    "--json"])
     assert res.exit_code == 0, res.output
+    server = _serve_sh(out)
+    try:
+        yield Staging(server.url, json.loads((out / "plan.json").read_text()), out, out / "vllm.log")
+    finally:
+        server.stop()
+
+
+def _serve_sh(out: Path) -> ManagedServer:
+    """The plan folder's serve.sh, started as written plus the deployment's own flags."""
     port = free_port()
     env = {**os.environ, **CPU_TEST_ENV, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
@@ -58,10 +69,7 @@ def staging(vllm, tiny_model, tmp_path_factory):
         argv=["sh", str(out / "serve.sh"), "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
               "--api-key", KEY, "--served-model-name", SERVED])
     server.start()
-    try:
-        yield Staging(server.url, json.loads((out / "plan.json").read_text()), out, out / "vllm.log")
-    finally:
-        server.stop()
+    return server
 
 
 def test_the_written_serve_sh_serves_what_the_plan_says(staging):
@@ -155,6 +163,46 @@ def test_plain_locust_web_ui_lists_kvops_options_and_each_run_starts_fresh(stagi
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+@needs_fp8_cpu
+def test_ml_engineer_calibrates_then_serves_fp8_with_the_scales(vllm, tiny_model, staging, tmp_path):
+    """`kvops calibrate` on the model, `kvops plan --kv-cache-dtype fp8 --kv-scales`, the written
+    serve.sh behind the deployment's key and served name: vLLM holds the fp8 cache the plan sized
+    (at least twice the bf16 plan's tokens), the workers run the file's scales layer by layer (the server's
+    own /metrics and log), `kvops verify` agrees, and the key still guards it."""
+    scales = tmp_path / "scales.json"
+    res = _kvops("calibrate", "--model", str(tiny_model), "--synthetic", "8", "--out", str(scales),
+                 "--log", str(tmp_path / "calibrate.log"), "--sensitivity-tokens", "512")
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "fp8 plan"
+    res = _kvops("plan", "--config", str(tiny_model), "--device", "cpu", "--memory-gib", "1.5",
+                 "--max-model-len", "2k", "--kv-cache-dtype", "fp8", "--kv-scales", str(scales),
+                 "--out-dir", str(out), "--json")
+    assert res.exit_code == 0, res.output
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["capacity"]["kv_cache_size_tokens"] >= 2 * staging.plan["capacity"]["kv_cache_size_tokens"]
+    vllm.make_room(2)  # beside the staging server, both outside the pool
+    server = _serve_sh(out)
+    try:
+        log = (out / "vllm.log").read_text(errors="replace")
+        assert f"calibrated per-layer scales from {scales.resolve()}" in log, log[-3000:]
+        assert f"CPU KV cache size: {plan['capacity']['kv_cache_size_tokens']:,} tokens" in log
+        metrics = requests.get(server.url + "/metrics", timeout=10).text
+        assert re.search(r'^kvops_fp8_scale_source\{[^}]*source="file"[^}]*\} 1\.0$', metrics, re.M)
+        for layer, entry in json.loads(scales.read_text())["layers"].items():
+            found = re.search(rf'^kvops_fp8_k_scale\{{[^}}]*layer="{re.escape(layer)}"[^}}]*\}} (\S+)$', metrics, re.M)
+            assert found, layer
+            assert float(found.group(1)) == pytest.approx(entry["k_scale"])
+        res = _kvops("verify", "--expect", str(out / "plan.json"), "--url", server.url)
+        assert res.exit_code == 0, res.output
+        body = {"model": SERVED, "prompt": "hello", "max_tokens": 2}
+        assert requests.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 401
+        answer = requests.post(server.url + "/v1/completions", json=body, timeout=60,
+                               headers={"Authorization": f"Bearer {KEY}"})
+        assert answer.status_code == 200, answer.text
+    finally:
+        server.stop()
 
 
 def _get_when_up(url: str, timeout_s: float = 60) -> str:
