@@ -28,7 +28,7 @@ from kvops.core.settings import parse_settings
 from kvops.core.units import GIB
 from kvops.ops.capacity.allocator import KVCapacity, SizingFlags, kv_capacity
 from kvops.ops.capacity.model import load_config, read_model
-from kvops.ops.launch import ManagedServer, vllm_server
+from kvops.ops.launch import ManagedServer, amx_cpu, vllm_server
 from kvops.ops.models.smollm2 import MODEL_NAME, build_smollm2
 
 KV_LINE = re.compile(r"(?:CPU|GPU) KV cache size: [\d,]+ tokens, Maximum concurrency for .*")
@@ -70,6 +70,7 @@ def run_demo(options: DemoOptions, say: Callable[[str], None]) -> dict[str, obje
         ["--max-model-len", str(options.max_model_len),
          "--additional-config", json.dumps({"kvops": {"config": str(settings)}})],
         kv_cache_bytes=kv_bytes, log_path=work / "vllm.log", name="vllm (demo)",
+        eager=not amx_cpu(),  # launch.EAGER_WRONG_ON_AMX: the demo's answer must be the model's
     )
     say(f"[3/6] starting vllm serve with the kvops plugin on {server.url} (log: {server.log_path})")
     try:

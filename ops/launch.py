@@ -23,6 +23,7 @@ from pathlib import Path
 import requests
 
 from kvops.core.errors import KvopsError
+from kvops.core.fp8.scales import read_cpu_flags
 from kvops.core.proc import free_port, group_processes, log_tail
 from kvops.core.units import GIB
 
@@ -318,6 +319,22 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         pass
 
 
+EAGER_WRONG_ON_AMX = (
+    "vLLM 0.32's eager CPU path computes wrong outputs for a bfloat16 model on a CPU with AMX: "
+    "measured on an Intel Xeon with AMX, stock vLLM, SmolLM2-135M-Instruct asked 'What is the "
+    "capital of France?' answered 'L'Étoile, la Marseillaise, la femme, …' under --enforce-eager "
+    "and 'The capital of France is Paris.' compiled (the default) or with --dtype float32"
+)
+"""Why kvops' own servers that must answer right (the demo) run compiled on such a CPU. The other
+test and bench servers stay eager (a start costs much less) and compare with servers that are
+eager too."""
+
+
+def amx_cpu() -> bool:
+    """The CPU reports AMX tiles (/proc/cpuinfo)."""
+    return "amx_tile" in read_cpu_flags()
+
+
 def vllm_server(
     model: Path | str,
     args: Sequence[str] = (),
@@ -327,8 +344,10 @@ def vllm_server(
     env: Mapping[str, str] | None = None,
     port: int | None = None,
     name: str = "vllm",
+    eager: bool = True,
 ) -> ManagedServer:
-    """A not-yet-started `vllm serve` for the CPU build, eager mode, on a free port.
+    """A not-yet-started `vllm serve` for the CPU build, eager mode (``eager=False``: compiled, a
+    slower start; see ``EAGER_WRONG_ON_AMX``), on a free port.
 
     The KV space is given in bytes with --kv-cache-memory-bytes; VLLM_CPU_KVCACHE_SPACE (whole
     GiB only) would override it (vllm/platforms/cpu.py), so it is removed from the environment.
@@ -341,7 +360,7 @@ def vllm_server(
     full_env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     argv = [
         vllm_executable(), "serve", str(model), "--host", "127.0.0.1", "--port", str(chosen),
-        "--enforce-eager",
+        *(["--enforce-eager"] if eager else []),
         *(["--kv-cache-memory-bytes", str(kv_cache_bytes)] if kv_cache_bytes is not None else []), *args,
     ]
     # a `kill -9` of the kvops command (or the test session) that started it takes it along;

@@ -50,10 +50,10 @@ def after_platform_config(vllm_config: Any) -> None:
 
 def after_attention_weights(layer: Any, vllm_config: Any) -> None:
     """A worker finished loading an attention layer's weights: apply calibrated fp8 scales (and,
-    for fp8 KV on an AMX CPU, ask the kernel for AMX tiles first: kvops.plugin.fp8.amx)."""
-    from kvops.plugin.fp8.amx import request_amx_for_fp8
+    on an AMX CPU, ask the kernel for AMX tiles first: kvops.plugin.amx)."""
+    from kvops.plugin.amx import request_amx
 
-    request_amx_for_fp8(vllm_config)
+    request_amx()
     settings = settings_of(vllm_config)
     if settings is not None and settings.kv_scales is not None:
         from kvops.plugin.fp8.worker import after_attention_weights as apply_scales
