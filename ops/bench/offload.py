@@ -113,9 +113,10 @@ SPLIT_ARGS = ("--max-model-len", "4096", "--max-num-batched-tokens", str(PROMPT_
               "--max-num-seqs", "4")
 """The no-connector server whose chunked prefill splits a prompt where a full L1/disk hit does:
 vLLM loads all but the last token and computes that one alone (its scheduler leaves at least one
-token to compute). On an AMX CPU stock vLLM's greedy text moves with that split (6 of 6 prompts
-of the reference model, gaps up to 3.5 nats, against 0 on AVX2), so a hit is judged against
-this server's text as well as the unsplit one's."""
+token to compute). On an AMX CPU stock vLLM's eager greedy text moves with that split (6 of 6
+prompts of the reference model, gaps up to 3.5 nats, against 0 on AVX2; its eager path there is
+wrong on a real model: launch.EAGER_WRONG_ON_AMX), so a hit is judged against this server's text
+as well as the unsplit one's."""
 
 
 def torch_default_threads() -> int:
