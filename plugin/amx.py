@@ -50,8 +50,3 @@ def request_amx() -> None:
     plugin_logger().info("kvops: requested AMX tile state for the process that runs the model "
                          "(%s): vLLM's AMX attention uses it before anything else asks",
                          "granted" if granted else "refused by the kernel")
-
-
-def reset_for_tests() -> None:
-    global _DONE
-    _DONE = False

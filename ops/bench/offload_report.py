@@ -89,7 +89,7 @@ class Measured:
     split_baseline: list[str] = field(default_factory=list)
     """A plugin-free server's text on each prompt of ``baseline`` when its prefill is split where
     a full hit splits it (all but the last token, then that token: ``offload.SPLIT_ARGS``); what an
-    L1 or disk hit must equal where this CPU's kernels round a split prefill differently (empty:
+    L1 or disk hit may equal instead where this CPU computes a split prefill differently (empty:
     not measured)."""
 
 

@@ -24,12 +24,12 @@ from kvops.core.fp8.settings import KvScalesSettings
 
 
 @lru_cache(maxsize=4)
-def _scales(path: str) -> ScalesFile:
+def scales_file(path: str) -> ScalesFile:
     return load_scales_file(Path(path))
 
 
 @lru_cache(maxsize=4)
-def _checkpoint_has_scales(model: str) -> bool:
+def checkpoint_has_scales(model: str) -> bool:
     model_dir = Path(model)
     return model_dir.is_dir() and bool(checkpoint_kv_scale_names(model_dir))
 
@@ -44,13 +44,13 @@ def after_attention_weights(layer: Any, vllm_config: Any, kv_scales: KvScalesSet
     if normalize_fp8_dtype(str(layer.kv_cache_dtype)) is None or kv_scales.path is None:
         return  # a --kv-cache-dtype-skip-layers layer keeps bf16: scales do not apply
     source = choose_scale_source(
-        _checkpoint_has_scales(str(vllm_config.model_config.model)), True,
+        checkpoint_has_scales(str(vllm_config.model_config.model)), True,
         kv_scales.override_checkpoint,
     )
     if source != "file":
         return
     name = str(layer.layer_name)
-    entry = _scales(kv_scales.path).layers.get(name)
+    entry = scales_file(kv_scales.path).layers.get(name)
     if entry is None:
         raise RuntimeError(
             f"kvops: kv_scales file {kv_scales.path} has no layer {name!r}: recalibrate this model"
@@ -75,5 +75,5 @@ def set_layer_scales(layer: Any, k_scale: float, v_scale: float) -> None:
 
 
 def reset_for_tests() -> None:
-    _scales.cache_clear()
-    _checkpoint_has_scales.cache_clear()
+    scales_file.cache_clear()
+    checkpoint_has_scales.cache_clear()

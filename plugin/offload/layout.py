@@ -18,16 +18,11 @@ from __future__ import annotations
 
 import hashlib
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
-from kvops.core.fp8.scales import (
-    checkpoint_kv_scale_names,
-    choose_scale_source,
-    load_scales_file,
-    normalize_fp8_dtype,
-)
+from kvops.core.fp8.scales import choose_scale_source, normalize_fp8_dtype
 from kvops.core.settings import load_settings
+from kvops.plugin.fp8.worker import checkpoint_has_scales, scales_file
 
 LAYOUT_NAMESPACE = "##kvops-kv-layout-v1-"
 """Between the model name (LMCache's, DCP decoration included) and the layout."""
@@ -57,7 +52,7 @@ def _scales(vllm_config: Any) -> str:
     kv_scales = settings.kv_scales if settings else None
     path = kv_scales.path if kv_scales is not None else None
     source = choose_scale_source(
-        _checkpoint_has_scales(str(vllm_config.model_config.model)), path is not None,
+        checkpoint_has_scales(str(vllm_config.model_config.model)), path is not None,
         bool(kv_scales and kv_scales.override_checkpoint),
     )
     if source == "default":
@@ -69,15 +64,9 @@ def _scales(vllm_config: Any) -> str:
 
 
 @lru_cache(maxsize=4)
-def _checkpoint_has_scales(model: str) -> bool:
-    model_dir = Path(model)
-    return model_dir.is_dir() and bool(checkpoint_kv_scale_names(model_dir))
-
-
-@lru_cache(maxsize=4)
 def _file_digest(path: str) -> str:
     """The scales the workers apply (the front end has checked the file), layer by layer."""
-    layers = load_scales_file(Path(path)).layers
+    layers = scales_file(path).layers
     text = "\n".join(f"{name} {layers[name].k_scale!r} {layers[name].v_scale!r}" for name in sorted(layers))
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 

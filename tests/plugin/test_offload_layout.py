@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvops.core.fp8.scales import fingerprint_of_config
+from kvops.plugin.fp8.worker import checkpoint_has_scales, scales_file
 from kvops.plugin.offload import layout
 from kvops.plugin.offload.layout import LAYOUT_NAMESPACE, kv_layout, tag_adapters
 
@@ -26,7 +27,8 @@ CONFIG: dict[str, object] = {"architectures": ["LlamaForCausalLM"], "num_hidden_
 @pytest.fixture(autouse=True)
 def _fresh_caches() -> None:
     layout._file_digest.cache_clear()
-    layout._checkpoint_has_scales.cache_clear()
+    checkpoint_has_scales.cache_clear()
+    scales_file.cache_clear()
 
 
 def _scales(path: Path, k: float, v: float = 0.5, margin: float = 1.25) -> Path:
