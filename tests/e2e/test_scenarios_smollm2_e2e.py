@@ -15,6 +15,7 @@ import math
 import random
 import re
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,6 +62,19 @@ def scrape(url: str) -> dict[str, float]:
         for s in family.samples:
             out[s.name] = out.get(s.name, 0.0) + s.value
     return out
+
+
+def settled(url: str, timeout_s: float = 120.0) -> dict[str, float]:
+    """vLLM's samples once it runs and holds no request: a request the run before cut off on the
+    client (Locust stops its users at once) may still be finishing in vLLM, and counts there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = scrape(url)
+        if now.get("vllm:num_requests_running", 0) + now.get("vllm:num_requests_waiting", 0) == 0:
+            return now
+        if time.monotonic() > deadline:
+            raise AssertionError(f"vLLM still holds requests {timeout_s:.0f} s after the run: {now}")
+        time.sleep(0.5)
 
 
 @contextmanager
@@ -150,15 +164,16 @@ def test_kv_exhaustion_on_the_real_model(vllm, real, smollm2_model, tmp_path):
 def test_prefix_miss_on_the_real_model(real, smollm2_model, tmp_path):
     from transformers import AutoTokenizer
 
-    before = scrape(real.url)
+    before = settled(real.url)
     _, result = loadtest(tmp_path, "prefix-miss", real.url, "--duration", "15")
-    after = scrape(real.url)
+    after = settled(real.url)
     (verdict,) = result["verdicts"]
     print(f"prefix-miss on SmolLM2: {verdict['problem']}/{verdict['cause']}: {verdict['next']}")
     if verdict["problem"] == "inconclusive":
-        # no request finished within the run: nor did vLLM count one as a success
+        # no request finished within the run: vLLM finished at most those the run's end cut off
         assert verdict["cause"] == "no-samples", verdict
-        assert after["vllm:request_success_total"] == before["vllm:request_success_total"], verdict
+        succeeded = after["vllm:request_success_total"] - before["vllm:request_success_total"]
+        assert succeeded <= verdict["evidence"]["stopped_in_flight"], verdict
         assert "--duration" in verdict["next"]
         return
     # four 300-word system prompts (3 blocks each) fit in 47 blocks beside two requests: healthy
@@ -190,20 +205,25 @@ def test_prefix_miss_on_the_real_model(real, smollm2_model, tmp_path):
 def test_ttft_regression_on_the_real_model(real, tmp_path):
     scenario = tmp_path / "ttft.yaml"
     scenario.write_text("workload: {prompt_words: 60, max_tokens: 16}\n")
-    before = scrape(real.url)
+    before = settled(real.url)
     _, result = loadtest(tmp_path, "ttft-regression", real.url, "--rate", "0.5", "--duration", "12",
                          "--scenario-file", str(scenario))
-    after = scrape(real.url)
+    after = settled(real.url)
     (verdict,) = result["verdicts"]
     print(f"ttft-regression on SmolLM2: {verdict['problem']}/{verdict['cause']}: {verdict['next']}")
-    ok = [r for r in records(result) if r["ok"]]
-    # every request the client counts as answered vLLM counts as a success, and no more
-    assert after["vllm:request_success_total"] - before["vllm:request_success_total"] == len(ok)
+    rows = records(result)
+    ok = [r for r in rows if r["ok"]]
+    cut = [r for r in rows if r.get("stopped")]
+    # every request the client counts as answered vLLM counts as a success; beyond those, at most
+    # the ones the run's end cut off on the client, which vLLM may still finish (CI once: 6 for 5)
+    succeeded = after["vllm:request_success_total"] - before["vllm:request_success_total"]
+    assert len(ok) <= succeeded <= len(ok) + len(cut), (succeeded, len(ok), len(cut))
     counted = after["vllm:time_to_first_token_seconds_count"] - before["vllm:time_to_first_token_seconds_count"]
     if verdict["problem"] == "inconclusive":
         assert verdict["cause"] in ("no-samples", "client-bound"), verdict
         if verdict["cause"] == "no-samples":
-            assert counted == 0, verdict  # vLLM made no first token either
+            # vLLM made no first token within the run either: at most for those it cut off
+            assert counted <= len(cut), verdict
         return
     # no baseline: the run is one (healthy), its server figures vLLM's TTFT histogram over the
     # run: no more observations than vLLM made (a cut-off request's may fall after the last scrape)
