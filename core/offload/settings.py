@@ -73,6 +73,11 @@ class OffloadSettings(BaseModel):
     CPU, its size is known and fits the free /dev/shm, and the server accepts it; engine_driven
     (pickled) otherwise, with the reason in one line
     (kvops.core.offload.preflight.choose_transfer_mode)."""
+    worker_copy: Literal["kvops", "lmcache"] = "kvops"
+    """Who copies engine_driven loads and stores between LMCache's L1 objects and vLLM's KV in
+    the vLLM worker. kvops: one strided copy per layer and block (kvops.plugin.offload.worker_copy;
+    vLLM CPU's fused K|V layout, anything else goes to LMCache's); lmcache: LMCache's own
+    per-layer ``index_copy_``. Not used in lmcache_driven, where the server copies."""
     server_transfer_mode: ServerTransferMode = "auto"
     """What ``kvops offload serve`` lets the server accept ('auto' accepts both modes)."""
     timeout_s: float = Field(default=10.0, gt=0, le=300)

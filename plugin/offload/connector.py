@@ -32,6 +32,7 @@ from kvops.core.offload.canary import (
 from kvops.core.offload.preflight import SERVE_HINT, check_still_serving
 from kvops.core.offload.settings import digest_budget_bytes
 from kvops.plugin._compat import refuse_in_engine
+from kvops.plugin.offload import worker_copy
 from kvops.plugin.offload.hold import LoadHold
 from kvops.plugin.offload.integrity import (
     BlockDigests,
@@ -103,11 +104,31 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         layers = list(kv_caches.values())
         settings = self._vllm_config.kv_transfer_config.kv_connector_extra_config.get(
             "kvops.offload", {})
+        self._kvops_install_worker_copy(kv_caches, settings)
         if settings.get("verify_kv", True) and all(t.device.type == "cpu" for t in layers):
             self._kvops_hash = BlockHasher(layers)
             self._kvops_digests = BlockDigests(digest_path(settings, self._vllm_config),
                                                max_file_bytes=digest_budget_bytes(
                                                    settings.get("disk_gib")))
+
+    def _kvops_install_worker_copy(self, kv_caches: dict[str, Any], settings: dict[str, Any]) -> None:
+        """engine_driven: the worker copies; kvops' per-block copy where vLLM's KV is CPU's fused
+        layout (kvops.plugin.offload.worker_copy), said in one line either way."""
+        extra = self._vllm_config.kv_transfer_config.kv_connector_extra_config
+        if extra.get("lmcache.mp.mp_transfer_mode") != "engine_driven":
+            return
+        wanted = settings.get("worker_copy", "kvops")
+        fused = worker_copy.fused_cpu_layers(kv_caches) is not None
+        why = None if wanted == "kvops" and fused else (
+            "worker_copy: lmcache is set" if wanted != "kvops" else
+            "vLLM's KV is not CPU tensors of the fused K|V layout")
+        why = why or worker_copy.install()
+        if why is None:
+            logger.info("kvops offload: engine_driven loads and stores copy with kvops' per-block "
+                        "copy (%d layers, CPU fused K|V layout)", len(kv_caches))
+        else:
+            logger.info("kvops offload: engine_driven loads and stores copy with LMCache's "
+                        "index_copy_ (%s)", why)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         # vLLM calls this every step; a step without a forward runs under a forward context

@@ -1,6 +1,6 @@
 """engine_driven with LMCache's L1 in /dev/shm (issue 43): `kvops offload serve` starts the server
-with --shm-name, the vLLM worker maps the pool and copies an L1 hit from it, and the output is
-the plugin-free server's; the segment is gone once serve stops.
+with --shm-name, the vLLM worker maps the pool and copies an L1 hit from it with kvops' per-block
+copy, and the output is the plugin-free server's; the segment is gone once serve stops.
 
 Oracles are external: LMCache's /config and its worker's own log lines (which context it built),
 LMCache's L1 hit counter, vLLM's cached-token count and the greedy output of a server without
@@ -70,6 +70,12 @@ def test_engine_driven_hit_is_copied_from_the_shared_l1_with_identical_output(
     log = shm_vllm.log_path.read_text(errors="replace")
     assert "Creating EngineDrivenContextShm" in log, log[-3000:]
     assert "falling back to pickle" not in log
+    # the worker copies with kvops' per-block copy (plugin/offload/worker_copy.py), and the
+    # start-up canary's load through it returned the bytes stored (checksums per block)
+    assert "engine_driven loads and stores copy with kvops' per-block copy" in log, log[-3000:]
+    wait_for("the start-up canary", lambda: metric(
+        shm_vllm.url, "kvops_offload_load_path_last_check_timestamp_seconds") > 0)
+    assert metric(shm_vllm.url, "kvops_offload_load_path_ok") == 1
     info = metric(shm_vllm.url, "kvops_info", offload_transfer_mode="engine_driven",
                   offload_l1_transfer="shm")
     assert info == 1
@@ -85,6 +91,7 @@ def test_engine_driven_hit_is_copied_from_the_shared_l1_with_identical_output(
     assert cached_tokens(hit) == CHUNK_TOKENS
     assert metric(shm_lmcache.url, "lmcache_mp_lookup_hit_l1_tokens_total") - l1_hits == CHUNK_TOKENS
     assert hit["choices"][0]["text"] == cold["choices"][0]["text"] == stock_output
+    assert metric(shm_vllm.url, "kvops_offload_errors_total", kind="corrupt") == 0
 
 
 def test_engine_driven_disk_hit_goes_through_the_shared_l1_with_identical_output(
@@ -101,6 +108,7 @@ def test_engine_driven_disk_hit_goes_through_the_shared_l1_with_identical_output
     assert cached_tokens(hit) == CHUNK_TOKENS
     assert metric(shm_lmcache.url, "lmcache_mp_lookup_hit_l2_tokens_total") - l2_hits == CHUNK_TOKENS
     assert hit["choices"][0]["text"] == stock_output
+    assert metric(shm_vllm.url, "kvops_offload_errors_total", kind="corrupt") == 0
     assert "falling back to pickle" not in shm_vllm.log_path.read_text(errors="replace")
 
 
