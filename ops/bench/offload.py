@@ -29,7 +29,7 @@ Variants, one offload server after another beside the one no-connector server (t
 model, prompts and baseline, so their ratios compare): the product default (transfer_mode auto,
 or KVOPS_BENCH_OFFLOAD_TRANSFER_MODE) gives the top-level keys and names the mode auto chose;
 the other transfer mode fills ``modes``; then one variant per tuning knob (KNOBS) on the default's
-mode fills ``tuning`` (KVOPS_BENCH_OFFLOAD_TUNING=0 leaves the knobs out, a comma-separated list
+mode (a knob of one mode only, on that mode) fills ``tuning`` (KVOPS_BENCH_OFFLOAD_TUNING=0 leaves the knobs out, a comma-separated list
 of knob names measures those only). Each variant has its
 own LMCache server and disk tier and its own fresh miss prompts.
 """
@@ -149,6 +149,10 @@ KNOBS = (
          "torch threads of the `lmcache server` process (OMP_NUM_THREADS=1 in its environment): "
          "its per-layer copy into vLLM's KV (lmcache_driven) runs on them while vLLM's own "
          "threads spin on the same cores", server_env=(("OMP_NUM_THREADS", "1"),)),
+    Knob("worker_copy", "lmcache", OffloadSettings().worker_copy,
+         "engine_driven only (measured there, compared with modes.engine_driven): LMCache's own "
+         "per-layer index_copy_ in the worker instead of kvops' per-block copy "
+         "(kvops.plugin.offload.worker_copy)", transfer_mode="engine_driven"),
 )
 
 
@@ -189,7 +193,7 @@ def run() -> dict[str, Any]:
             other = "engine_driven" if default.transfer_mode == "lmcache_driven" else "lmcache_driven"
             other_mode, _ = bench.measure(other, {"transfer_mode": other})
             knobs = [(knob, bench.measure(f"{knob.name}={knob.value}", {
-                "transfer_mode": default.transfer_mode, **knob.overrides()},
+                "transfer_mode": knob.transfer_mode or default.transfer_mode, **knob.overrides()},
                 dict(knob.server_env))[0]) for knob in knobs_wanted]
         finally:
             baseline.stop()

@@ -247,6 +247,9 @@ class Knob:
     note: str
     server_env: tuple[tuple[str, str], ...] = ()
     """Set: the knob is this environment of the LMCache server, not an offload setting."""
+    transfer_mode: str | None = None
+    """Set: the knob acts only in this transfer mode; it is measured there and compared with
+    that mode's variant (``modes``), whatever mode the default chose."""
 
     def overrides(self) -> dict[str, Any]:
         """The offload settings this knob changes."""
@@ -267,7 +270,8 @@ def noise(result: dict[str, Any]) -> dict[str, float]:
 
 
 def tuning_row(knob: Knob, tried: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:
-    """One knob: its ratios, the change from the default measured in the same run, a verdict.
+    """One knob: its ratios, the change from the variant it departs from (the default, or the
+    variant of the knob's own transfer mode) measured in the same run, a verdict.
 
     A ratio counts as better or worse only when it moved by more than the larger of the two
     variants' own noise (``noise``); ``helps`` needs one better and none worse: a difference
@@ -285,6 +289,7 @@ def tuning_row(knob: Knob, tried: dict[str, Any], default: dict[str, Any]) -> di
         "transfer_mode": tried["transfer_mode"],
         **{key: tried[key] for key in RATIO_KEYS},
         "delta_vs_default": delta,
+        "compared_with_transfer_mode": default["transfer_mode"],
         "noise": judged,
         "miss_overhead_spread": tried["miss_overhead_spread"],
         **{key: tried[key] for key in OUTPUT_KEYS},
@@ -302,5 +307,6 @@ def assemble(default: dict[str, Any], modes: dict[str, dict[str, Any]],
         **default,
         **goals(default),
         "modes": {mode: mode_entry(result) for mode, result in modes.items()},
-        "tuning": [tuning_row(knob, tried, default) for knob, tried in tuning],
+        "tuning": [tuning_row(knob, tried, modes.get(knob.transfer_mode or "", default))
+                   for knob, tried in tuning],
     }

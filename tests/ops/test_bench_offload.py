@@ -295,6 +295,22 @@ def test_a_knob_is_judged_against_the_default_measured_in_the_same_run():
     assert report["miss_overhead_ratio"] == pytest.approx(0.15, abs=0.012)  # top level: default
 
 
+def test_a_knob_of_one_transfer_mode_is_judged_against_that_modes_variant():
+    """worker_copy acts only in engine_driven: on an lmcache_driven default it is measured in
+    engine_driven and compared with the engine_driven variant of the same run, not the default."""
+    from kvops.ops.bench.offload import KNOBS
+
+    (knob,) = [k for k in KNOBS if k.name == "worker_copy"]
+    assert (knob.value, knob.default, knob.transfer_mode) == ("lmcache", "kvops", "engine_driven")
+    report = _report(_measured("lmcache_driven", l1=0.07, miss=0.15),
+                     _measured("engine_driven", 0.10, 0.2),
+                     [(knob, _measured("engine_driven", l1=0.20, miss=0.2))])
+    (row,) = report["tuning"]
+    assert row["compared_with_transfer_mode"] == "engine_driven"
+    assert row["delta_vs_default"]["l1_ttft_ratio"] == pytest.approx(0.10)  # 0.20 - 0.10, not - 0.07
+    assert row["effect"] == "hurts"
+
+
 def test_an_lmcache_server_environment_knob_changes_no_offload_setting():
     """The thread-count knob runs the LMCache server with another environment: the variant's
     offload settings are the default's, and its row says which environment it ran with."""
