@@ -178,21 +178,25 @@ def context_limit(cfg: Mapping[str, Any]) -> int | None:
         return None
     limit = float(min(found))
     factor = 1.0
-    for rope in _rope_parameters(cfg):
+    for key, rope in _rope_parameters(cfg):
         kind = rope.get("rope_type", rope.get("type", "default"))
+        if not isinstance(kind, str):
+            raise BadInputError(f"config field {key!r}: rope_type must be a string such as 'yarn' "
+                                f"or 'llama3', got {kind!r}; fix the model's config.json")
         if kind not in _UNSCALED_ROPE and isinstance(rope.get("factor"), int | float):
             factor = float(rope["factor"])
     return int(limit * factor) if limit * factor >= 1 else None
 
 
-def _rope_parameters(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """rope_scaling / rope_parameters, flat or per layer type (transformers 5)."""
+def _rope_parameters(cfg: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(config field, parameters) of rope_scaling / rope_parameters, flat or per layer type
+    (transformers 5)."""
     out = []
     for key in ("rope_scaling", "rope_parameters"):
         value = cfg.get(key)
         if isinstance(value, dict):
             nested = [v for v in value.values() if isinstance(v, dict)]
-            out += nested if nested else [value]
+            out += [(key, v) for v in (nested if nested else [value])]
     return out
 
 
