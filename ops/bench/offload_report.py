@@ -307,6 +307,6 @@ def assemble(default: dict[str, Any], modes: dict[str, dict[str, Any]],
         **default,
         **goals(default),
         "modes": {mode: mode_entry(result) for mode, result in modes.items()},
-        "tuning": [tuning_row(knob, tried, modes.get(knob.transfer_mode or "", default))
+        "tuning": [tuning_row(knob, tried, modes[knob.transfer_mode] if knob.transfer_mode else default)
                    for knob, tried in tuning],
     }

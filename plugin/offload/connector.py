@@ -117,12 +117,12 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         extra = self._vllm_config.kv_transfer_config.kv_connector_extra_config
         if extra.get("lmcache.mp.mp_transfer_mode") != "engine_driven":
             return
-        wanted = settings.get("worker_copy", "kvops")
-        fused = worker_copy.fused_cpu_layers(kv_caches) is not None
-        why = None if wanted == "kvops" and fused else (
-            "worker_copy: lmcache is set" if wanted != "kvops" else
-            "vLLM's KV is not CPU tensors of the fused K|V layout")
-        why = why or worker_copy.install()
+        if settings.get("worker_copy", "kvops") != "kvops":
+            why: str | None = "worker_copy: lmcache is set"
+        elif worker_copy.fused_cpu_layers(kv_caches) is None:
+            why = "vLLM's KV is not CPU tensors of the fused K|V layout"
+        else:
+            why = worker_copy.install()
         if why is None:
             logger.info("kvops offload: engine_driven loads and stores copy with kvops' per-block "
                         "copy (%d layers, CPU fused K|V layout)", len(kv_caches))

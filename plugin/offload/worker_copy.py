@@ -133,10 +133,9 @@ def _scatter_or(original: Callable[..., None]) -> Callable[..., None]:
     def kvops_scatter(kv_caches: dict[str, torch.Tensor], block_ids: list[int], chunks: list[torch.Tensor],
                       blocks_per_chunk: int, skip_first_n_tokens: int = 0, **kwargs: Any) -> None:
         layers = fused_cpu_layers(kv_caches)
-        if layers is not None and chunks and len(block_ids) < len(chunks) * blocks_per_chunk:
-            layers = None  # LMCache raises its own ValueError for this: keep its message
-        if layers is None or not chunks or not scatter(layers, list(block_ids), chunks, blocks_per_chunk,
-                                                       skip_first_n_tokens):
+        # too few block ids for the objects: LMCache raises its own ValueError, keep its message
+        if (layers is None or not chunks or len(block_ids) < len(chunks) * blocks_per_chunk
+                or not scatter(layers, list(block_ids), chunks, blocks_per_chunk, skip_first_n_tokens)):
             original(kv_caches, block_ids, chunks, blocks_per_chunk,
                      skip_first_n_tokens=skip_first_n_tokens, **kwargs)
 

@@ -15,7 +15,6 @@ import math
 import random
 import re
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvops.loadtest.config import KvExhaustionConfig, apply_overrides, doubling_steps, load_config
 from kvops.loadtest.scenarios.workloads import generated_body
+from kvops.ops.bench.admission_leak import wait_idle
 from kvops.ops.launch import ManagedServer
 
 from .test_loadtest_e2e import _loadtest_once as loadtest
@@ -64,17 +64,11 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def settled(url: str, timeout_s: float = 120.0) -> dict[str, float]:
+def settled(url: str) -> dict[str, float]:
     """vLLM's samples once it runs and holds no request: a request the run before cut off on the
     client (Locust stops its users at once) may still be finishing in vLLM, and counts there."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        now = scrape(url)
-        if now.get("vllm:num_requests_running", 0) + now.get("vllm:num_requests_waiting", 0) == 0:
-            return now
-        if time.monotonic() > deadline:
-            raise AssertionError(f"vLLM still holds requests {timeout_s:.0f} s after the run: {now}")
-        time.sleep(0.5)
+    wait_idle(url, timeout_s=120)
+    return scrape(url)
 
 
 @contextmanager
