@@ -43,6 +43,7 @@ from kvops.plugin.offload.integrity import (
 from kvops.plugin.offload.layout import kv_layout, tag_adapters
 from kvops.plugin.offload.prom import OffloadPromMetrics
 from kvops.plugin.offload.stats import OffloadStats
+from kvops.plugin.offload.transfer_guard import TransferGuard
 from kvops.plugin.offload.wiring import KVOPS_EXTRA_KEY, LOCAL_HOSTS
 
 logger = init_logger("vllm.plugins.kvops.offload")
@@ -105,11 +106,23 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         settings = self._vllm_config.kv_transfer_config.kv_connector_extra_config.get(
             "kvops.offload", {})
         self._kvops_install_worker_copy(kv_caches, settings)
+        self._kvops_guard_transfers(settings)
         if settings.get("verify_kv", True) and all(t.device.type == "cpu" for t in layers):
             self._kvops_hash = BlockHasher(layers)
             self._kvops_digests = BlockDigests(digest_path(settings, self._vllm_config),
                                                max_file_bytes=digest_budget_bytes(
                                                    settings.get("disk_gib")))
+
+    def _kvops_guard_transfers(self, settings: dict[str, Any]) -> None:
+        """engine_driven: the worker's synchronous LMCache calls fail into a dropped store or a
+        recomputed load, never into vLLM's step (kvops.plugin.offload.transfer_guard)."""
+        extra = self._vllm_config.kv_transfer_config.kv_connector_extra_config
+        adapter = getattr(self, "worker_adapter", None)
+        if extra.get("lmcache.mp.mp_transfer_mode") != "engine_driven" or adapter is None:
+            return
+        if not isinstance(getattr(adapter, "_kvops_guard", None), TransferGuard):
+            adapter._kvops_guard = TransferGuard(adapter, float(settings.get("timeout_s", 10.0)),
+                                                 lambda: self._kvops_stats.error("store"))
 
     def _kvops_install_worker_copy(self, kv_caches: dict[str, Any], settings: dict[str, Any]) -> None:
         """engine_driven: the worker copies; kvops' per-block copy where vLLM's KV is CPU's fused
@@ -360,6 +373,9 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
             if healthy:
                 logger.warning("kvops offload: LMCache server %s is back; offload resumed",
                                self._kvops_server)
+                guard = getattr(getattr(self, "worker_adapter", None), "_kvops_guard", None)
+                if isinstance(guard, TransferGuard):
+                    guard.server_back()
             else:
                 logger.error(
                     "kvops offload DEGRADED: LMCache server %s does not answer; requests "

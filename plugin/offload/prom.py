@@ -82,7 +82,7 @@ class OffloadPromMetrics(LMCacheMPPromMetrics):
         }
         self._errors = self._counter_cls(
             name="kvops_offload_errors", labelnames=[*names, "kind"],
-            documentation="LMCache offload errors by kind (unreachable, load, corrupt, held)",
+            documentation="LMCache offload errors by kind (unreachable, load, store, corrupt, held)",
         )
         self._digest_degraded = self._per_engine(self._gauge_cls(
             name="kvops_offload_digest_degraded", labelnames=names, multiprocess_mode="mostrecent",
