@@ -202,7 +202,9 @@ def test_an_engine_process_stays_out_without_saying_it_again(marker, warns):
     """A real child process stands in for the engine core its front end (this test) started."""
     env = {k: v for k, v in os.environ.items() if k != guest.STOOD_DOWN_ENV}
     if marker is not None:
-        env[guest.STOOD_DOWN_ENV] = str(os.getpid()) if marker == "parent" else "1"
+        # "other": a pid above Linux's PID_MAX_LIMIT (2**22), no ancestor's ("1" was init's,
+        # this test's grandparent when pytest ran detached under nohup)
+        env[guest.STOOD_DOWN_ENV] = str(os.getpid()) if marker == "parent" else str(2**22 + 1)
     done = subprocess.run([sys.executable, "-c", STAY_OUT], env=env, capture_output=True,
                           text=True, timeout=60, check=True)
     said = [line for line in done.stderr.splitlines() if "kvops stays out" in line]
