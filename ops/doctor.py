@@ -155,7 +155,8 @@ def check_shm(inputs: DoctorInputs) -> CheckRow:
     try:
         stat = os.statvfs("/dev/shm")
     except OSError:
-        return CheckRow("/dev/shm", "warn", "missing", "zero-copy offload (lmcache_driven) needs /dev/shm")
+        return CheckRow("/dev/shm", "warn", "missing",
+                        "offload shares LMCache's L1 (or, zero-copy, the KV cache) through /dev/shm")
     free_gib = stat.f_bavail * stat.f_frsize / GIB
     if free_gib >= inputs.shm_needed_gib:
         policy = shm_huge_pages(Path("/dev/shm"))
@@ -164,9 +165,10 @@ def check_shm(inputs: DoctorInputs) -> CheckRow:
                             huge_pages_fix(policy, Path("/dev/shm")))
         return CheckRow("/dev/shm", "ok", f"{free_gib:.1f} GiB free, huge pages {policy or 'unknown'}")
     return CheckRow(
-        "/dev/shm", "warn", f"{free_gib:.1f} GiB free < {inputs.shm_needed_gib:g} GiB KV cache",
-        "zero-copy offload needs /dev/shm ≥ the KV cache: raise it (docker --shm-size) or use "
-        "the engine_driven transfer mode",
+        "/dev/shm", "warn", f"{free_gib:.1f} GiB free < {inputs.shm_needed_gib:g} GiB",
+        "offload shares LMCache's L1 (l1_gib) through /dev/shm so vLLM's worker copies loads "
+        "itself, or maps the KV cache there (zero-copy): raise it (docker --shm-size); without "
+        "room for either, L1 loads are pickled (1-1.5% of memcpy)",
     )
 
 

@@ -71,30 +71,39 @@ class OffloadCosts(BaseModel):
 
 MEASURED: dict[str, OffloadCosts] = {
     "engine_driven": OffloadCosts(
-        transfer_mode="engine_driven", l1_ttft_ratio=0.27, disk_ttft_ratio=0.25, miss_overhead_ratio=0.27,
-        source="kvops bench offload --json, engine_driven, 2,048-token prompts (DESIGN.md 'Measured on the "
-               "landed product'; issue 16)"),
+        transfer_mode="engine_driven", l1_ttft_ratio=0.021, disk_ttft_ratio=0.027, miss_overhead_ratio=0.042,
+        source="kvops bench offload --json, engine_driven with L1 shared through /dev/shm and kvops' copy in the "
+               "worker (the default on a CPU since issue 43: auto), 2,048-token prompts, hits after one pass over "
+               "the KV cache: the larger of two quiet runs' ratios (README \"kvops' copy in the worker\")",
+        figures=TransferFigures(
+            l1_copy_fraction=0.550, disk_copy_fraction=0.616, l1_hit_overhead_s=0.048, disk_hit_overhead_s=0.057,
+            memcpy_gb_per_s=11.24, prefill_tokens_per_s=768.3, prefill_flops_per_token=205_520_896.0)),
     "lmcache_driven": OffloadCosts(
         transfer_mode="lmcache_driven", l1_ttft_ratio=0.046, disk_ttft_ratio=0.056, miss_overhead_ratio=0.039,
-        source="kvops bench offload --json, the default mode (auto: lmcache_driven), 2,048-token prompts, "
-               "through the kvops connector, hits after one pass over the KV cache: the larger of two quiet "
-               "runs' hit ratios, the largest of three runs' miss medians (issue 16)",
+        source="kvops bench offload --json, zero-copy (lmcache_driven, auto's choice before issue 43), 2,048-token "
+               "prompts, through the kvops connector, hits after one pass over the KV cache: the larger of two "
+               "quiet runs' hit ratios, the largest of three runs' miss medians (issue 16)",
         figures=TransferFigures(
             l1_copy_fraction=0.138, disk_copy_fraction=0.138, l1_hit_overhead_s=0.035, disk_hit_overhead_s=0.050,
             memcpy_gb_per_s=14.5, prefill_tokens_per_s=1280.0, prefill_flops_per_token=205_520_896.0)),
 }
-"""The built-in costs. LMCache's own connector measured less in lmcache_driven (no measurable
-miss cost, research/offload_bench.md §4); these are ours, which the product runs. engine_driven:
-the figures issue 16 quoted (later runs measured L1 0.19, disk 0.19, miss +0.15 to +0.25).
-lmcache_driven: two quiet full runs on a 2-core AVX-512 box (README) gave L1 0.046 and 0.042,
-disk 0.055 and 0.056; the miss medians of three were +0.039, -0.063 and -0.009, a spread that is
-the difference between two servers (the connector's own share, its lookup, is ~0.3%), so the
-plan counts the largest. Its figures are the README's steady-state run on that box (quiet, /dev/shm
-without huge pages): loads at 13.8% of memcpy (2.0 GB/s of 14.5; one share for both tiers, the run
-counted them together), a cold 2,048-token prefill in 1.60 s (1,280 tokens/s of the reference
-model, 205,520,896 FLOPs per token), and the hits' TTFT (0.046 and 0.056 of the 1.50 s cold TTFT
-through the offload server: 69 and 84 ms) less the 34 ms load of their 64 MiB: 35 ms (L1) and
-50 ms (disk) fixed per hit."""
+"""The built-in costs. engine_driven: two quiet full runs (``KVOPS_BENCH_OFFLOAD_TRANSFER_MODE=
+engine_driven``) on a 2-core AVX-512 box without AMX (README "kvops' copy in the worker") gave L1
+0.019 and 0.021, disk 0.027 and 0.024, misses +0.032 and +0.042 (spread 0.04-0.06: the plan counts
+the larger); its figures are the second run's: loads at 55% (L1) and 62% (disk) of that box's
+11.24 GB/s memcpy, a cold 2,048-token prefill at 768 tokens/s of the reference model, and 48 ms (L1)
+and 57 ms (disk) of a hit's TTFT besides the load (the lookup, the queue, the step computing the
+last token). Before kvops' copy and the shared L1 it measured L1 0.19-0.27 (issue 16: each L1
+object pickled through ZMQ). lmcache_driven: LMCache's own connector measured less there (no
+measurable miss cost, research/offload_bench.md §4); these are ours, which the product runs. Two
+quiet full runs on a 2-core AVX-512 box (README) gave L1 0.046 and 0.042, disk 0.055 and 0.056;
+the miss medians of three were +0.039, -0.063 and -0.009, a spread that is the difference between
+two servers (the connector's own share, its lookup, is ~0.3%), so the plan counts the largest. Its
+figures are the README's steady-state run on that box (quiet, /dev/shm without huge pages): loads
+at 13.8% of memcpy (2.0 GB/s of 14.5; one share for both tiers, the run counted them together), a
+cold 2,048-token prefill in 1.60 s (1,280 tokens/s of the reference model, 205,520,896 FLOPs per
+token), and the hits' TTFT (0.046 and 0.056 of the 1.50 s cold TTFT through the offload server: 69
+and 84 ms) less the 34 ms load of their 64 MiB: 35 ms (L1) and 50 ms (disk) fixed per hit."""
 
 FIGURE_KEYS = ("load_copy_fraction_of_memcpy", "hit_overhead_s", "memcpy_gb_per_s", "cold_prefill_tokens_per_s",
                "prefill_flops_per_token")

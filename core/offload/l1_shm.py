@@ -53,30 +53,30 @@ def l1_bytes(l1_gib: float) -> int:
 
 
 def choose_l1_transfer(settings: OffloadSettings, shm: Path = SHM_PATH) -> L1Transfer:
-    """Share L1 when the mode is engine_driven and ``shm`` has room for the whole pool beside
-    what other pools there have reserved; otherwise L1 stays private, with the reason.
+    """Share L1 when the mode is engine_driven or auto and ``shm`` has room for the whole pool
+    beside what other pools there have reserved; otherwise L1 stays private, with the reason.
 
-    ``auto`` is resolved by vLLM after the server has started: a pool taken then would eat the
-    room zero-copy (lmcache_driven) needs for the KV cache and move auto's choice, so it is left
-    out until a bench on a quiet machine says which mode auto should prefer."""
+    Under auto a shared pool is what makes vLLM's CPU worker pick engine_driven and copy loads
+    itself (kvops.core.offload.preflight.choose_transfer_mode: 0.51-0.58 of memcpy against
+    zero-copy's 0.12-0.14, README "kvops' copy in the worker"); without room, auto goes on to
+    zero-copy (lmcache_driven), which needs no pool."""
     mode = settings.transfer_mode
     if mode == "lmcache_driven":
         return L1Transfer(None, "lmcache_driven: the server copies into vLLM's KV segment itself")
-    if mode == "auto":
-        return L1Transfer(None, "transfer_mode auto: vLLM picks the mode after the server starts, "
-                          "so L1 is shared only when transfer_mode is engine_driven; if vLLM "
-                          f"picks engine_driven, {PICKLED_COST}")
     name = pool_name(settings.port)
     need = l1_bytes(settings.l1_gib)
     room = shm_room_bytes(shm, replacing=name)
     if room < need:
+        then = ("so a CPU vLLM under auto takes zero-copy (lmcache_driven) where /dev/shm holds its "
+                f"KV cache, else engine_driven with {PICKLED_COST}" if mode == "auto" else
+                f"so {PICKLED_COST}")
         return L1Transfer(None, (
             f"{shm} has {room / GIB:.2f} GiB free beside the L1 pools there and L1 needs "
-            f"{need / GIB:.2f} GiB, so {PICKLED_COST}: enlarge {shm} (docker --shm-size) or "
-            "lower l1_gib"))
+            f"{need / GIB:.2f} GiB, {then}: enlarge {shm} (docker --shm-size) or lower l1_gib"))
     return L1Transfer(name, (
         f"L1 ({need / GIB:.2f} GiB) shared through {shm / name} ({room / GIB:.2f} GiB free "
-        "there): the vLLM worker copies loads from it"))
+        "there): the vLLM worker copies loads from it"
+        + (" (a CPU vLLM under auto takes engine_driven for it)" if mode == "auto" else "")))
 
 
 def shm_room_bytes(shm: Path = SHM_PATH, replacing: str | None = None) -> int:
@@ -140,8 +140,7 @@ def served_l1(config: dict[str, Any]) -> tuple[str, str]:
     return asked, name
 
 
-def describe_l1(server_pool: str, server_asked: str, setting: str, local: bool,
-                shm: Path = SHM_PATH) -> L1Transfer:
+def describe_l1(server_pool: str, server_asked: str, local: bool, shm: Path = SHM_PATH) -> L1Transfer:
     """What an engine_driven worker of vLLM will get from the server it reached: ``shm`` when
     the server's L1 is a segment this machine sees, ``pickled`` with the reason otherwise
     (LMCache's worker falls back to pickle where it cannot map it, with only a log line)."""
@@ -156,8 +155,7 @@ def describe_l1(server_pool: str, server_asked: str, setting: str, local: bool,
         return L1Transfer(None, f"L1 pickled: the server asked for {server_asked} but LMCache "
                           f"found too little room in {shm} and keeps L1 private, so "
                           f"{PICKLED_COST}")
-    why = ("transfer_mode auto resolved here, after the server started without --shm-name"
-           if setting == "auto" else
-           "the server runs without --shm-name (`kvops offload serve` adds it only for "
-           f"transfer_mode engine_driven where {shm} has room for L1, and logs why not)")
-    return L1Transfer(None, f"L1 pickled: {why}, so {PICKLED_COST}")
+    return L1Transfer(None, (
+        "L1 pickled: the server runs without --shm-name (`kvops offload serve` adds it for "
+        f"transfer_mode auto and engine_driven where {shm} has room for L1, and logs why not), "
+        f"so {PICKLED_COST}"))

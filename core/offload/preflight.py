@@ -279,26 +279,41 @@ class TransferChoice:
 
 
 def choose_transfer_mode(wanted: str, server_mode: str, kv_cache_bytes: int | None,
-                         device: str, shm: Path = SHM_PATH) -> TransferChoice:
+                         device: str, shm: Path = SHM_PATH, shared_l1: str | None = None) -> TransferChoice:
     """Resolve ``transfer_mode``: an explicit mode is kept (its own checks refuse what cannot
-    work); auto takes zero-copy lmcache_driven (research/offload_bench.md: no measurable miss
-    cost, L1 hits 2-11% of a cold prefill) wherever it can work, else engine_driven."""
+    work). auto on a CPU KV cache takes engine_driven where the server's L1 is a /dev/shm segment
+    this worker maps (``shared_l1``: kvops.core.offload.l1_shm.describe_l1's line), so the worker
+    copies loads itself (README "kvops' copy in the worker": 0.51-0.58 of memcpy, L1 hits 0.02 of
+    a cold prefill, against zero-copy's 0.12-0.14 and 0.03); else zero-copy lmcache_driven
+    wherever it can work; else engine_driven with L1 pickled."""
     if wanted != "auto":
         if wanted == "lmcache_driven":
             check_shm(kv_cache_bytes, shm)
             return TransferChoice(wanted, "set in kvops.offload.transfer_mode; " + huge_pages_note(shm))
         return TransferChoice(wanted, "set in kvops.offload.transfer_mode")
+    if shared_l1 and device == "cpu" and server_mode != "lmcache_driven":
+        return TransferChoice("engine_driven", (
+            "the server's L1 is shared with this worker, so it copies loads itself (0.51-0.58 of "
+            "memcpy against zero-copy's 0.12-0.14, README \"kvops' copy in the worker\")"))
     fallback = _no_zero_copy(server_mode, kv_cache_bytes, device, shm)
     if fallback is None:
         assert kv_cache_bytes is not None
         return TransferChoice("lmcache_driven", (
             f"zero-copy: the KV cache ({kv_cache_bytes / GIB:.2f} GiB) fits the free space of "
-            f"{shm} ({_free(shm) / GIB:.2f} GiB); {huge_pages_note(shm)}"))
+            f"{shm} ({_free(shm) / GIB:.2f} GiB) and {_why_not_shared(shared_l1, server_mode)}; "
+            f"{huge_pages_note(shm)}"))
     if server_mode == "lmcache_driven":
         raise KvopsPluginError(
             f"the LMCache server accepts only lmcache_driven but it cannot work here ({fallback}): "
             "restart it with --supported-transfer-mode auto (`kvops offload serve` does)")
     return TransferChoice("engine_driven", fallback)
+
+
+def _why_not_shared(shared_l1: str | None, server_mode: str) -> str:
+    """Why auto did not take engine_driven from a shared L1 (the CPU case zero-copy serves)."""
+    if shared_l1 and server_mode == "lmcache_driven":
+        return "the server accepts only lmcache_driven, so its shared L1 goes unused"
+    return "the server's L1 is not shared with this worker (its loads would be pickled)"
 
 
 SHMEM_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")

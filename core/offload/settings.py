@@ -65,13 +65,15 @@ class OffloadSettings(BaseModel):
     chunk_size: int = Field(default=256, gt=0)
     """Tokens per LMCache chunk; must be a multiple of vLLM's block size (128 on CPU)."""
     transfer_mode: TransferModeSetting = "auto"
-    """How KV moves between vLLM and LMCache. engine_driven works everywhere (+15-30% on every
-    miss, research/offload_bench.md): set explicitly, ``kvops offload serve`` puts L1 in /dev/shm
-    where it has room for l1_gib and the worker copies loads from it, else L1 objects are pickled
-    over ZMQ, said in one line (kvops.core.offload.l1_shm); lmcache_driven is zero-copy through
-    /dev/shm (needs /dev/shm >= the KV cache). auto: lmcache_driven where the KV cache is on the
-    CPU, its size is known and fits the free /dev/shm, and the server accepts it; engine_driven
-    (pickled) otherwise, with the reason in one line
+    """How KV moves between vLLM and LMCache. engine_driven: the vLLM worker copies loads and
+    stores itself; ``kvops offload serve`` puts L1 in /dev/shm where it has room for l1_gib and
+    the worker copies from it (kvops' copy, 0.51-0.58 of memcpy: README "kvops' copy in the
+    worker"), else L1 objects are pickled over ZMQ, said in one line (kvops.core.offload.l1_shm).
+    lmcache_driven: zero-copy, the LMCache server copies into vLLM's KV cache mapped from
+    /dev/shm (needs /dev/shm >= the KV cache; 0.12-0.14 of memcpy). auto: on a CPU, engine_driven
+    where the server's L1 is shared with this worker, else lmcache_driven where the KV cache's
+    size is known and fits the free /dev/shm and the server accepts it, else engine_driven
+    (pickled); engine_driven on a GPU; the reason in one line
     (kvops.core.offload.preflight.choose_transfer_mode)."""
     worker_copy: Literal["kvops", "lmcache"] = "kvops"
     """Who copies engine_driven loads and stores between LMCache's L1 objects and vLLM's KV in

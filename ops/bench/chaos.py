@@ -10,6 +10,9 @@ injected, held ``--fault-seconds``, cleared, and health is probed once a second 
 held for a few probes (or RECOVERY_TIMEOUT_S). recovery_s counts from the start of the clear
 (a restart of a killed server is part of recovering). An engine that died is counted and
 restarted before the next fault. Goal per fault (issue 15): lost 0, wrong 0, crashes 0.
+The offload server runs the product default (transfer_mode auto) unless
+KVOPS_BENCH_CHAOS_TRANSFER_MODE names a mode; ``transfer_mode`` and ``l1_transfer`` say what it
+resolved to (its kvops_info), since the faults strike each mode differently.
 """
 
 from __future__ import annotations
@@ -23,18 +26,23 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import requests
+
 from kvops.core.errors import BadInputError
-from kvops.core.offload.settings import OffloadSettings
+from kvops.core.offload.settings import OffloadSettings, TransferModeSetting
 from kvops.core.proc import free_port
+from kvops.core.prom import info_labels, samples_by_name
 from kvops.ops.bench import greedy
 from kvops.ops.bench.chaos_faults import Fault, Rig, choose, mount_tmpfs, unmount
 from kvops.ops.bench.chaos_load import Load, complete, healthy, token_prompt
 from kvops.ops.bench.chaos_report import FaultRun, Probe, chaos_report
+from kvops.ops.bench.offload import transfer_mode_from_env
 from kvops.ops.launch import ManagedServer, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 from kvops.ops.offload.server import lmcache_server
 from kvops.ops.offload.shm import remove_stale_segments
 
+MODE_ENV = "KVOPS_BENCH_CHAOS_TRANSFER_MODE"
 FAULT_S = 15.0
 WARM_S = 5.0
 PROMPTS_PER_FAULT = 12  # 24 chunks of 512 KiB: more than the 16 MiB disk cap holds
@@ -53,14 +61,17 @@ def run(faults: str = "", fault_seconds: float = FAULT_S) -> dict[str, Any]:
     if not 1 <= fault_seconds <= 600:
         raise BadInputError(f"--fault-seconds {fault_seconds:g}: give 1 to 600")
     started = time.monotonic()
+    setting = transfer_mode_from_env(MODE_ENV)
     with tempfile.TemporaryDirectory(prefix="kvops-bench-chaos-") as tmp:
         root = Path(tmp)
         model = str(build_tiny_model(root / "model", TinyModelSpec()))
         seeds = {f.name: [1000 * i + j for j in range(PROMPTS_PER_FAULT)] for i, f in enumerate(chosen, 1)}
         oracle = _stock_outputs(model, [s for group in seeds.values() for s in group], root)
-        runs = _scored(_with_rig(root, model, chosen, seeds, oracle, fault_seconds), model, root)
+        rigged, mode = _with_rig(root, model, chosen, seeds, oracle, fault_seconds, setting)
+        runs = _scored(rigged, model, root)
     return chaos_report(
-        runs, fault_seconds=fault_seconds, prompts_per_fault=PROMPTS_PER_FAULT,
+        runs, transfer_mode_setting=setting, **mode, fault_seconds=fault_seconds,
+        prompts_per_fault=PROMPTS_PER_FAULT,
         oracle_prompts_with_two_outputs=sum(len(texts) > 1 for texts in oracle.values()),
         descriptions={f.name: f.why for f in chosen}, bench_s=round(time.monotonic() - started, 1),
     )
@@ -101,25 +112,31 @@ def _scored(runs: list[FaultRun], model: str, root: Path) -> list[FaultRun]:
 
 
 def _with_rig(root: Path, model: str, chosen: Sequence[Fault], seeds: dict[str, list[int]],
-              oracle: dict[int, tuple[str, ...]], fault_seconds: float) -> list[FaultRun]:
+              oracle: dict[int, tuple[str, ...]], fault_seconds: float,
+              transfer_mode: TransferModeSetting) -> tuple[list[FaultRun], dict[str, str]]:
     mount = root / "fs" if any(f.needs_root for f in chosen) else None
     disk = (mount or root) / "l2"
     if mount is not None:
         mount_tmpfs(mount)
     disk.mkdir(parents=True)
     settings = OffloadSettings(port=free_port(), http_port=free_port(), l1_gib=0.25, disk_path=str(disk),
-                               disk_gib=DISK_GIB, heartbeat_s=1.0, canary_interval_s=3600)
+                               disk_gib=DISK_GIB, heartbeat_s=1.0, canary_interval_s=3600,
+                               transfer_mode=transfer_mode)
     lmcache = lmcache_server(settings, log_path=root / "lmcache-1.log")
     rig = Rig(root, settings, lmcache, _offload_vllm(model, settings, root, 1), model, mount)
     try:
         lmcache.start(health_path="/healthcheck", timeout_s=240)
         rig.vllm.start()
+        info = info_labels(samples_by_name(requests.get(rig.vllm.url + "/metrics", timeout=10).text),
+                           "kvops_info") or {}
+        mode = {"transfer_mode": info.get("offload_transfer_mode", ""),
+                "l1_transfer": info.get("offload_l1_transfer", "")}
         runs = []
         for index, fault in enumerate(chosen, 1):
             prompts = [(seed, oracle[seed]) for seed in seeds[fault.name]]
             runs.append(_run_fault(rig, fault, prompts, fault_seconds, probe_seeds=100_000 * index))
             _restore(rig, index)
-        return runs
+        return runs, mode
     finally:
         rig.vllm.stop()
         remove_stale_segments()

@@ -174,7 +174,7 @@ def partial() -> dict[str, Any] | None:
 def run() -> dict[str, Any]:
     started = time.monotonic()
     _DONE.clear()
-    wanted, knobs_wanted = _transfer_mode(), _knobs()
+    wanted, knobs_wanted = transfer_mode_from_env(), _knobs()
     worker_copy = offload_copy.measure()  # first, while no vLLM thread spins beside it
     _DONE["worker_copy"] = worker_copy
     if os.environ.get(WORKER_COPY_ONLY_ENV, "") == "1":
@@ -610,15 +610,13 @@ def _rate_between(first: Samples, last: Samples, bytes_name: str, seconds_name: 
     return moved / seconds / 1e9 if seconds > 0 else 0.0
 
 
-def _transfer_mode() -> TransferModeSetting:
-    """The default variant's mode: the product default (auto) unless the variable names one."""
-    mode = os.environ.get("KVOPS_BENCH_OFFLOAD_TRANSFER_MODE", "auto")
+def transfer_mode_from_env(variable: str = "KVOPS_BENCH_OFFLOAD_TRANSFER_MODE") -> TransferModeSetting:
+    """A bench's offload mode: the product default (auto) unless ``variable`` names one."""
+    mode = os.environ.get(variable, "auto")
     for known in get_args(TransferModeSetting):
         if mode == known:
             return cast(TransferModeSetting, known)
-    raise BadInputError(
-        f"KVOPS_BENCH_OFFLOAD_TRANSFER_MODE={mode!r}: use auto, engine_driven or lmcache_driven"
-    )
+    raise BadInputError(f"{variable}={mode!r}: use auto, engine_driven or lmcache_driven")
 
 
 def _knobs() -> tuple[Knob, ...]:

