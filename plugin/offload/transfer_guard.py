@@ -18,6 +18,13 @@ is reported failed so vLLM recomputes its blocks (``kv_load_failure_policy: reco
 a failure every call is dropped at once for ``timeout_s`` (one stalled step, not one per
 request), by which time the heartbeat has marked the server unhealthy and the adapter drops
 calls itself until the server is back; the heartbeat's "back" ends the window at once.
+
+The stalled step itself waits as long as LMCache's engine-driven context waits for a reply:
+``mq_timeout`` (kvops' ``timeout_s``, 10 s), and every request in flight waits with it (a
+SIGSTOP to the server stalled three streaming clients 11.5 s, against 1.3 s in lmcache_driven).
+The in-step calls answer in 2.5-7 ms (100 ms on a box busy with other jobs: README "Where an L1
+hit's time goes"), so the guard bounds their wait at STEP_TIMEOUT_S (or ``timeout_s`` when that
+is shorter) on the context LMCache built, again after each re-registration.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("vllm.plugins.kvops.offload")
+
+STEP_TIMEOUT_S = 2.0
+"""The longest an engine_driven store or load waits inside vLLM's step for the LMCache server."""
 
 
 class TransferGuard:
@@ -47,6 +57,7 @@ class TransferGuard:
         adapter.submit_retrieve_request = self.submit_retrieve_request
 
     def submit_store_request(self, request_id: str, op: Any, *args: Any, **kwargs: Any) -> None:
+        self._bound_step_wait()
         if not self._open():
             try:
                 self._store(request_id, op, *args, **kwargs)
@@ -61,6 +72,7 @@ class TransferGuard:
         self._on_store_dropped()
 
     def submit_retrieve_request(self, request_id: str, op: Any, *args: Any, **kwargs: Any) -> None:
+        self._bound_step_wait()
         if not self._open():
             try:
                 self._retrieve(request_id, op, *args, **kwargs)
@@ -72,6 +84,14 @@ class TransferGuard:
         adapter.error_block_ids.update(op.flat_block_ids)
         adapter._failed_request_ids.add(request_id)
         adapter._dropped_retrieves.add(request_id)  # counted as kind="load" with vLLM's failed blocks
+
+    def _bound_step_wait(self) -> None:
+        """LMCache builds the engine-driven context with the adapter's mq_timeout, anew at each
+        re-registration (lmcache ``worker_transfer.py``, ``EngineDrivenContext.mq_timeout``)."""
+        context = getattr(getattr(self._adapter, "transfer_ctx", None), "_engine_driven_context", None)
+        bound = min(STEP_TIMEOUT_S, self._window_s)
+        if context is not None and getattr(context, "mq_timeout", 0) > bound:
+            context.mq_timeout = bound
 
     def server_back(self) -> None:
         """The heartbeat saw the server return (and LMCache re-registered the worker): try again

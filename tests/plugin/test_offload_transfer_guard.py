@@ -125,3 +125,20 @@ def test_the_server_coming_back_ends_the_window_at_once():
     adapter.submit_retrieve_request("r", op(7))
     assert adapter.calls == ["store s1", "load r"]
     assert adapter.retrieve_futures == {"r": ("future", [7])}
+
+
+def test_the_wait_inside_the_step_is_bounded_on_each_context_lmcache_builds():
+    """LMCache's engine-driven context waits mq_timeout (timeout_s) for each in-step reply; a
+    re-registration builds a new one with the long timeout again."""
+    adapter, _clock, _dropped = guarded()
+    adapter.transfer_ctx = SimpleNamespace(_engine_driven_context=SimpleNamespace(mq_timeout=10.0))
+    adapter.submit_store_request("s", op(1))
+    assert adapter.transfer_ctx._engine_driven_context.mq_timeout == 2.0
+    adapter.transfer_ctx = SimpleNamespace(_engine_driven_context=SimpleNamespace(mq_timeout=10.0))
+    adapter.submit_retrieve_request("r", op(2))
+    assert adapter.transfer_ctx._engine_driven_context.mq_timeout == 2.0
+    short = Adapter()
+    TransferGuard(short, 0.5, lambda: None)
+    short.transfer_ctx = SimpleNamespace(_engine_driven_context=SimpleNamespace(mq_timeout=0.5))
+    short.submit_store_request("s", op(1))
+    assert short.transfer_ctx._engine_driven_context.mq_timeout == 0.5  # timeout_s below the bound
