@@ -26,17 +26,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import requests
-
 from kvops.core.errors import BadInputError
 from kvops.core.offload.settings import OffloadSettings, TransferModeSetting
 from kvops.core.proc import free_port
-from kvops.core.prom import info_labels, samples_by_name
+from kvops.core.prom import info_labels
 from kvops.ops.bench import greedy
 from kvops.ops.bench.chaos_faults import Fault, Rig, choose, mount_tmpfs, unmount
 from kvops.ops.bench.chaos_load import Load, complete, healthy, token_prompt
 from kvops.ops.bench.chaos_report import FaultRun, Probe, chaos_report
-from kvops.ops.bench.offload import transfer_mode_from_env
+from kvops.ops.bench.offload import metrics_samples, transfer_mode_from_env
 from kvops.ops.launch import ManagedServer, vllm_server
 from kvops.ops.models.tiny import TinyModelSpec, build_tiny_model
 from kvops.ops.offload.server import lmcache_server
@@ -127,8 +125,7 @@ def _with_rig(root: Path, model: str, chosen: Sequence[Fault], seeds: dict[str, 
     try:
         lmcache.start(health_path="/healthcheck", timeout_s=240)
         rig.vllm.start()
-        info = info_labels(samples_by_name(requests.get(rig.vllm.url + "/metrics", timeout=10).text),
-                           "kvops_info") or {}
+        info = info_labels(metrics_samples(rig.vllm.url), "kvops_info") or {}
         mode = {"transfer_mode": info.get("offload_transfer_mode", ""),
                 "l1_transfer": info.get("offload_l1_transfer", "")}
         runs = []

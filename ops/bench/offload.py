@@ -284,7 +284,7 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
     try:
         server.start()
         sides = (("no_connector", bench.baseline.url), ("offload", server.url))
-        info = _samples(server.url)
+        info = metrics_samples(server.url)
         mode = _transfer_mode_of(info)
         l1_transfer = (info_labels(info, "kvops_info") or {}).get("offload_l1_transfer", "")
         first = _measure_tiers(server, lmcache, model, bench.prompts, settings.chunk_size,
@@ -301,7 +301,7 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
         miss_split = _TimeSplit()
         for side, url in sides:
             miss_split.add(side, before[side], scrape(url))
-        metrics = _samples(server.url)
+        metrics = metrics_samples(server.url)
     finally:
         server.stop()
         remove_stale_segments()  # lmcache_driven leaves vLLM's KV segment in /dev/shm
@@ -375,7 +375,7 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
     tiers = _Tiers()
     chunks = PROMPT_TOKENS // chunk_size
     group = lmcache.process.pid if lmcache.process is not None else 0
-    loads_before = _samples(server.url)
+    loads_before = metrics_samples(server.url)
     for index, prompt in enumerate(prompts):
         stored = _lmcache(lmcache)["l2_stored_chunks"]
         cold = stream(server.url, model, prompt)
@@ -403,7 +403,7 @@ def _measure_tiers(server: ManagedServer, lmcache: ManagedServer, model: Path,
                 tiers.faults[tier].append(count)
         tiers.loads["l1"].append(_load_of(l1_first, l1_last))
         tiers.loads["disk"].append(_load_of(disk_first, disk_last))
-    loads_after = _samples(server.url)
+    loads_after = metrics_samples(server.url)
     tiers.load_gb_per_s = _rate_between(loads_before, loads_after, "kvops_offload_loaded_bytes_total",
                                         "kvops_offload_load_seconds_sum")
     return tiers
@@ -594,7 +594,7 @@ def digest_ms_per_prompt(repeats: int = 5) -> dict[str, float]:
     return {"digest_ms_per_prompt": best_ms(digest_of), "crc32_ms_per_prompt": best_ms(crc32)}
 
 
-def _samples(url: str) -> Samples:
+def metrics_samples(url: str) -> Samples:
     return samples_by_name(requests.get(url + "/metrics", timeout=10).text)
 
 

@@ -68,6 +68,7 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         self._kvops_load_wait_s = float(extra.get(KVOPS_EXTRA_KEY, {}).get("load_wait_ms", 0)) / 1e3
         self._kvops_server = extra.get("lmcache.mp.host", "?") + f":{extra.get('lmcache.mp.port')}"
         self._kvops_hold = _load_hold(extra, self._kvops_server_gone)
+        self._kvops_transfer_guard: TransferGuard | None = None
         self._kvops_gone_checked: tuple[float, bool] = (0.0, False)
         try:
             check_still_serving(extra.get(KVOPS_EXTRA_KEY, {}))
@@ -118,11 +119,11 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
         recomputed load, never into vLLM's step (kvops.plugin.offload.transfer_guard)."""
         extra = self._vllm_config.kv_transfer_config.kv_connector_extra_config
         adapter = getattr(self, "worker_adapter", None)
-        if extra.get("lmcache.mp.mp_transfer_mode") != "engine_driven" or adapter is None:
+        if (extra.get("lmcache.mp.mp_transfer_mode") != "engine_driven" or adapter is None
+                or self._kvops_transfer_guard is not None):
             return
-        if not isinstance(getattr(adapter, "_kvops_guard", None), TransferGuard):
-            adapter._kvops_guard = TransferGuard(adapter, float(settings.get("timeout_s", 10.0)),
-                                                 lambda: self._kvops_stats.error("store"))
+        self._kvops_transfer_guard = TransferGuard(adapter, float(settings.get("timeout_s", 10.0)),
+                                                   lambda: self._kvops_stats.error("store"))
 
     def _kvops_install_worker_copy(self, kv_caches: dict[str, Any], settings: dict[str, Any]) -> None:
         """engine_driven: the worker copies; kvops' per-block copy where vLLM's KV is CPU's fused
@@ -373,9 +374,8 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
             if healthy:
                 logger.warning("kvops offload: LMCache server %s is back; offload resumed",
                                self._kvops_server)
-                guard = getattr(getattr(self, "worker_adapter", None), "_kvops_guard", None)
-                if isinstance(guard, TransferGuard):
-                    guard.server_back()
+                if self._kvops_transfer_guard is not None:
+                    self._kvops_transfer_guard.server_back()
             else:
                 logger.error(
                     "kvops offload DEGRADED: LMCache server %s does not answer; requests "

@@ -57,13 +57,8 @@ class TransferGuard:
         adapter.submit_retrieve_request = self.submit_retrieve_request
 
     def submit_store_request(self, request_id: str, op: Any, *args: Any, **kwargs: Any) -> None:
-        self._bound_step_wait()
-        if not self._open():
-            try:
-                self._store(request_id, op, *args, **kwargs)
-                return
-            except Exception as exc:  # noqa: BLE001 - an exception here stops vLLM's engine core
-                self._failed("store", request_id, exc)
+        if self._went_through("store", self._store, request_id, op, args, kwargs):
+            return
         adapter = self._adapter
         adapter.store_futures.pop(request_id, None)
         if getattr(adapter, "lazy_offload", False):  # one receipt per rank unpins its blocks
@@ -72,18 +67,26 @@ class TransferGuard:
         self._on_store_dropped()
 
     def submit_retrieve_request(self, request_id: str, op: Any, *args: Any, **kwargs: Any) -> None:
-        self._bound_step_wait()
-        if not self._open():
-            try:
-                self._retrieve(request_id, op, *args, **kwargs)
-                return
-            except Exception as exc:  # noqa: BLE001 - an exception here stops vLLM's engine core
-                self._failed("load", request_id, exc)
+        if self._went_through("load", self._retrieve, request_id, op, args, kwargs):
+            return
         adapter = self._adapter
         adapter.retrieve_futures.pop(request_id, None)
         adapter.error_block_ids.update(op.flat_block_ids)
         adapter._failed_request_ids.add(request_id)
         adapter._dropped_retrieves.add(request_id)  # counted as kind="load" with vLLM's failed blocks
+
+    def _went_through(self, kind: str, submit: Callable[..., None], request_id: str, op: Any,
+                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """LMCache's submit, unless the window is open; False: the caller drops the call."""
+        self._bound_step_wait()
+        if self._open():
+            return False
+        try:
+            submit(request_id, op, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - an exception here stops vLLM's engine core
+            self._failed(kind, request_id, exc)
+            return False
+        return True
 
     def _bound_step_wait(self) -> None:
         """LMCache builds the engine-driven context with the adapter's mq_timeout, anew at each

@@ -119,7 +119,8 @@ def test_auto_without_room_keeps_l1_private_and_says_zero_copy_comes_next(tmp_pa
 
 def test_auto_on_a_cpu_takes_engine_driven_when_the_servers_l1_is_shared(tmp_path, shm_free):
     shm_free(100 * GIB)  # zero-copy would fit too: the shared L1 is what decides
-    shared = describe_l1(pool_name(5601), pool_name(5601), local=True, shm=touch(tmp_path / pool_name(5601)).parent)
+    (tmp_path / pool_name(5601)).touch()
+    shared = describe_l1(pool_name(5601), pool_name(5601), local=True, shm=tmp_path)
     choice = choose_transfer_mode("auto", "auto", GIB, "cpu", shm=tmp_path, shared_l1=shared.shm_name)
     assert choice.mode == "engine_driven"
     assert "copies loads itself" in choice.reason
@@ -145,11 +146,6 @@ def test_an_explicit_mode_is_kept_whatever_the_l1(tmp_path, shm_free):
     assert choose_transfer_mode("lmcache_driven", "auto", GIB, "cpu", shm=tmp_path,
                                 shared_l1=pool_name(5601)).mode == "lmcache_driven"
     assert choose_transfer_mode("engine_driven", "auto", GIB, "cpu", shm=tmp_path).mode == "engine_driven"
-
-
-def touch(path: Path) -> Path:
-    path.touch()
-    return path
 
 
 def test_zero_copy_counts_the_room_an_l1_pool_will_still_fill(tmp_path, shm_free):
