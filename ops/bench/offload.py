@@ -16,7 +16,9 @@ miss is measured apart, in interleaved ABBA blocks of fresh prompts (no connecto
 offload, no connector): a slow stretch of the shared machine hits both sides of a block alike.
 ``miss_overhead_ratio`` is the median of the blocks' ratios, reported with their spread.
 ``hit_time_split_s`` and ``miss_time_split_s`` say where the time goes, from vLLM's own queue,
-prefill and TTFT histograms read around the hits and the miss blocks (TIME_SPLIT). A greedy text
+prefill and TTFT histograms read around the hits and the miss blocks (TIME_SPLIT). The floor
+under a hit is vLLM's own prefix-cache hit computing one token, on the no-connector server right
+after each cold prompt (``prefix_hit_ttft_s``, ops/bench/offload_figures.py). A greedy text
 that differs from the no-connector server's is scored by that server as the chaos bench scores
 one (ops/bench/greedy.py): a tie flip of the tiny model's near-tied logits, or a wrong output. Beside the ratios,
 which are this machine's (they divide by its prefill), sit the load's own figures, which carry to
@@ -247,6 +249,9 @@ class _Bench:
         self.model, self.prompts, self.root, self.baseline = model, prompts, root, baseline
         self.steady_prompts = steady_prompts
         self.baseline_runs: list[tuple[float, str]] = []
+        self.prefix_hits: list[float] = []
+        """The same server's TTFT on each prompt of ``baseline_runs`` and one token more: vLLM's
+        own prefix-cache hit computing one token (``_baseline``)."""
         self.split_texts: list[str] = []
         """The same-split server's texts on ``prompts[1:]`` then ``steady_prompts``."""
         self.variants = 0
@@ -293,8 +298,8 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
         steady = _measure_tiers(server, lmcache, model, bench.steady_prompts, settings.chunk_size,
                                 warm_up=False)
         if not bench.baseline_runs:
-            bench.baseline_runs = [ttft(bench.baseline.url, model, p)
-                                   for p in (*bench.prompts, *bench.steady_prompts)][1:]
+            bench.baseline_runs, bench.prefix_hits = _baseline(bench.baseline.url, model,
+                                                               [*bench.prompts, *bench.steady_prompts])
         before = {side: scrape(url) for side, url in sides}
         misses = _measure_misses(server, lmcache, bench.baseline, model, settings.chunk_size,
                                  miss_seed)
@@ -318,10 +323,24 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
         store_gb_per_s=_rate(metrics, "kvops_offload_stored_bytes_total",
                              "kvops_offload_store_seconds_sum"),
         settings=settings.model_dump(), miss_split=miss_split.means(),
+        prefix_hits=bench.prefix_hits[first_count:],
         hit_split=steady.split.means(), server_faults=steady.faults, loads=steady.loads,
         first_pass=replace(first_pass, gaps=_score(bench, bench.prompts[1:], first_pass, first.token_ids)),
     )
     return replace(measured, gaps=_score(bench, bench.steady_prompts, measured, steady.token_ids)), _mode_line(log)
+
+
+def _baseline(url: str, model: Path, prompts: list[list[int]]) -> tuple[list[tuple[float, str]], list[float]]:
+    """The no-connector server on each prompt but the first (it warms up): (TTFT, text) cold, then
+    the TTFT of the same prompt and one token more, which vLLM answers from its own prefix cache
+    computing that one token, as an offload hit computes the prompt's last (the same prompt again
+    would recompute its whole last block: vLLM keeps a block-aligned hit below the full prompt)."""
+    cold: list[tuple[float, str]] = []
+    hits: list[float] = []
+    for prompt in prompts:
+        cold.append(ttft(url, model, prompt))
+        hits.append(ttft(url, model, [*prompt, prompt[0]])[0])
+    return cold[1:], hits[1:]
 
 
 def _score(bench: _Bench, prompts: list[list[int]], measured: FirstPass | Measured,

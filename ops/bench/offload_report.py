@@ -29,7 +29,8 @@ OUTPUT_KEYS = ("outputs_identical", "outputs_correct", "tie_flips", "wrong_outpu
 """What a pass, a variant and a tuning row say about the greedy texts."""
 
 FIGURE_KEYS = ("load_ms_per_mib", "memcpy_ms_per_mib", "load_copy_fraction_of_memcpy", "load_mib_per_hit",
-               "load_s_per_hit", "hit_overhead_s", "server_page_faults_per_mib")
+               "load_s_per_hit", "hit_overhead_s", "server_page_faults_per_mib", "hit_over_prefix_hit_s",
+               "offload_overhead_s")
 """The load's own figures, which carry over to another machine (ops/bench/offload_figures.py)."""
 
 RATIO_KEYS = ("l1_ttft_ratio", "disk_ttft_ratio", "miss_overhead_ratio", "copy_fraction_of_memcpy")
@@ -91,6 +92,10 @@ class Measured:
     a full hit splits it (all but the last token, then that token: ``offload.SPLIT_ARGS``); what an
     L1 or disk hit may equal instead where this CPU computes a split prefill differently (empty:
     not measured)."""
+    prefix_hits: list[float] = field(default_factory=list)
+    """The no-connector server's TTFT on each prompt of ``baseline`` and one token more, served at
+    once after it: vLLM's own prefix-cache hit computing one token, the floor under an offload hit
+    (empty: not measured)."""
 
 
 def tier_ratios(runs: dict[str, list[tuple[float, str]]]) -> dict[str, Any]:
@@ -195,6 +200,8 @@ def variant_result(m: Measured, memcpy_gb_per_s: float) -> dict[str, Any]:
     passes = {"measured": outputs(m), **({"first": outputs(m.first_pass)} if m.first_pass else {})}
     repeats = len(m.runs["cold"])
     faults = faults_per_load(m.server_faults)
+    prefix_hit = statistics.median(m.prefix_hits) if m.prefix_hits else None
+    cold = statistics.median(t for t, _ in m.baseline)
     return {
         "l1_ttft_ratio": ratios["l1_ttft_ratio"],
         "disk_ttft_ratio": ratios["disk_ttft_ratio"],
@@ -222,7 +229,9 @@ def variant_result(m: Measured, memcpy_gb_per_s: float) -> dict[str, Any]:
         "load_gb_per_s": m.load_gb_per_s,
         "store_gb_per_s": m.store_gb_per_s,
         "server_page_faults_per_load": faults,
-        **load_figures(m.loads, ratios["ttft_s"], faults, memcpy_gb_per_s),
+        **load_figures(m.loads, ratios["ttft_s"], faults, memcpy_gb_per_s, prefix_hit),
+        "prefix_hit_ttft_s": prefix_hit,
+        "prefix_hit_ttft_ratio": None if prefix_hit is None else prefix_hit / cold,
         "first_pass": first,
     }
 

@@ -4,6 +4,7 @@ default variant's contract keys on top, both modes side by side, the tuning tabl
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 
@@ -370,3 +371,39 @@ def test_the_threads_knobs_default_is_torchs_own(monkeypatch, omp):
     torch_says = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
                                 env=env, capture_output=True, text=True, check=True, timeout=120)
     assert torch_default_threads() == int(torch_says.stdout)
+
+
+@pytest.mark.parametrize(("prefix_hits", "floor", "reachable"), [
+    ([0.09, 0.1, 0.11], 0.1 / 1.9, False),  # above 0.05: no transfer could meet the goal here
+    ([0.04, 0.05, 0.06], 0.05 / 1.9, True),
+])
+def test_vllms_own_prefix_hit_is_the_floor_under_an_l1_hit_and_says_whether_the_goal_is_reachable(
+        prefix_hits, floor, reachable):
+    """Hand-computed: L1 hits at 0.1 of the 2 s cold TTFT are 0.2 s (median) and load in 60 ms
+    (median of 50/60/70); the no-connector server answers the same prompts cold in 1.9 s and
+    again from its prefix cache in ``prefix_hits`` (median 0.1 or 0.05 s). The hit costs 0.1 (or
+    0.15) s above vLLM's own hit, 0.04 (0.09) s of it besides the load; the floor is the prefix
+    hit over 1.9 s."""
+    from dataclasses import replace
+
+    loads = {"l1": [(64 * MIB, 0.05), (64 * MIB, 0.06), (64 * MIB, 0.07)], "disk": [(0.0, 0.0)] * 3}
+    measured = replace(_measured("engine_driven", l1=0.1, miss=0.0, load_gb_s=6.0), loads=loads,
+                       prefix_hits=prefix_hits)
+    report = _report(measured, _measured("lmcache_driven", 0.25, 0.2), [])
+    prefix = statistics.median(prefix_hits)
+    assert report["prefix_hit_ttft_s"] == pytest.approx(prefix)
+    assert report["prefix_hit_ttft_ratio"] == pytest.approx(floor)
+    assert report["hit_over_prefix_hit_s"]["l1"] == pytest.approx(0.2 - prefix)
+    assert report["offload_overhead_s"]["l1"] == pytest.approx(0.2 - prefix - 0.06)
+    assert report["offload_overhead_s"]["disk"] is None  # disk loaded nothing the connector counted
+    assert report["goals"]["l1_ttft_ratio_floor"] == pytest.approx(floor)
+    assert report["goals"]["l1_goal_reachable"] is reachable
+    assert report["modes"]["engine_driven"]["hit_over_prefix_hit_s"] == report["hit_over_prefix_hit_s"]
+
+
+def test_without_vllms_own_hit_measured_the_floor_is_unknown_not_zero():
+    report = _report(_measured("engine_driven", l1=0.1, miss=0.0), _measured("lmcache_driven", 0.25, 0.2), [])
+    assert report["prefix_hit_ttft_s"] is None
+    assert report["prefix_hit_ttft_ratio"] is None
+    assert report["hit_over_prefix_hit_s"] == {"l1": None, "disk": None}
+    assert report["goals"]["l1_goal_reachable"] is None
