@@ -33,7 +33,7 @@ from kvops.core import kinds
 from kvops.core.errors import BadInputError
 from kvops.core.kinds import read_mapping_of_kind
 from kvops.core.offload.settings import TransferMode
-from kvops.core.units import MIB
+from kvops.core.units import GIB, MIB
 
 
 class TransferFigures(BaseModel):
@@ -51,6 +51,12 @@ class TransferFigures(BaseModel):
     memcpy_gb_per_s: float
     prefill_tokens_per_s: float
     prefill_flops_per_token: float
+    floor_s: float | None = None
+    """vLLM's own prefix-cache hit computing one token on the measuring machine (the bench's
+    ``prefix_hit_ttft_s``): the share of the fixed time that is the step computing the last token,
+    which reads every weight and the hit's KV once; None: not measured (an older bench file)."""
+    floor_bytes: float | None = None
+    """What that step read there: the bench model's weights and its prompt's KV."""
 
 
 class OffloadCosts(BaseModel):
@@ -71,39 +77,44 @@ class OffloadCosts(BaseModel):
 
 MEASURED: dict[str, OffloadCosts] = {
     "engine_driven": OffloadCosts(
-        transfer_mode="engine_driven", l1_ttft_ratio=0.021, disk_ttft_ratio=0.027, miss_overhead_ratio=0.042,
+        transfer_mode="engine_driven", l1_ttft_ratio=0.036, disk_ttft_ratio=0.046, miss_overhead_ratio=0.042,
         source="kvops bench offload --json, engine_driven with L1 shared through /dev/shm and kvops' copy in the "
                "worker (the default on a CPU since issue 43: auto), 2,048-token prompts, hits after one pass over "
-               "the KV cache: the larger of two quiet runs' ratios (README \"kvops' copy in the worker\")",
+               "the KV cache: the largest of three quiet runs' hit ratios, the largest of five runs' miss medians "
+               "(README \"The floor under a hit\")",
         figures=TransferFigures(
-            l1_copy_fraction=0.550, disk_copy_fraction=0.616, l1_hit_overhead_s=0.048, disk_hit_overhead_s=0.057,
-            memcpy_gb_per_s=11.24, prefill_tokens_per_s=768.3, prefill_flops_per_token=205_520_896.0)),
+            l1_copy_fraction=0.408, disk_copy_fraction=0.361, l1_hit_overhead_s=0.0519, disk_hit_overhead_s=0.0681,
+            memcpy_gb_per_s=13.01, prefill_tokens_per_s=1157.6, prefill_flops_per_token=205_520_896.0,
+            floor_s=0.0309, floor_bytes=276_867_288.0)),
     "lmcache_driven": OffloadCosts(
-        transfer_mode="lmcache_driven", l1_ttft_ratio=0.046, disk_ttft_ratio=0.056, miss_overhead_ratio=0.039,
+        transfer_mode="lmcache_driven", l1_ttft_ratio=0.058, disk_ttft_ratio=0.062, miss_overhead_ratio=0.039,
         source="kvops bench offload --json, zero-copy (lmcache_driven, auto's choice before issue 43), 2,048-token "
-               "prompts, through the kvops connector, hits after one pass over the KV cache: the larger of two "
-               "quiet runs' hit ratios, the largest of three runs' miss medians (issue 16)",
+               "prompts, through the kvops connector, hits after one pass over the KV cache: the largest of three "
+               "quiet runs' hit ratios, the largest of six runs' miss medians (issue 16, README \"The floor under "
+               "a hit\")",
         figures=TransferFigures(
-            l1_copy_fraction=0.138, disk_copy_fraction=0.138, l1_hit_overhead_s=0.035, disk_hit_overhead_s=0.050,
-            memcpy_gb_per_s=14.5, prefill_tokens_per_s=1280.0, prefill_flops_per_token=205_520_896.0)),
+            l1_copy_fraction=0.120, disk_copy_fraction=0.154, l1_hit_overhead_s=0.0551, disk_hit_overhead_s=0.0478,
+            memcpy_gb_per_s=13.01, prefill_tokens_per_s=1157.6, prefill_flops_per_token=205_520_896.0,
+            floor_s=0.0309, floor_bytes=276_867_288.0)),
 }
-"""The built-in costs. engine_driven: two quiet full runs (``KVOPS_BENCH_OFFLOAD_TRANSFER_MODE=
-engine_driven``) on a 2-core AVX-512 box without AMX (README "kvops' copy in the worker") gave L1
-0.019 and 0.021, disk 0.027 and 0.024, misses +0.032 and +0.042 (spread 0.04-0.06: the plan counts
-the larger); its figures are the second run's: loads at 55% (L1) and 62% (disk) of that box's
-11.24 GB/s memcpy, a cold 2,048-token prefill at 768 tokens/s of the reference model, and 48 ms (L1)
-and 57 ms (disk) of a hit's TTFT besides the load (the lookup, the queue, the step computing the
-last token). Before kvops' copy and the shared L1 it measured L1 0.19-0.27 (issue 16: each L1
-object pickled through ZMQ). lmcache_driven: LMCache's own connector measured less there (no
-measurable miss cost, research/offload_bench.md §4); these are ours, which the product runs. Two
-quiet full runs on a 2-core AVX-512 box (README) gave L1 0.046 and 0.042, disk 0.055 and 0.056;
-the miss medians of three were +0.039, -0.063 and -0.009, a spread that is the difference between
-two servers (the connector's own share, its lookup, is ~0.3%), so the plan counts the largest. Its
-figures are the README's steady-state run on that box (quiet, /dev/shm without huge pages): loads
-at 13.8% of memcpy (2.0 GB/s of 14.5; one share for both tiers, the run counted them together), a
-cold 2,048-token prefill in 1.60 s (1,280 tokens/s of the reference model, 205,520,896 FLOPs per
-token), and the hits' TTFT (0.046 and 0.056 of the 1.50 s cold TTFT through the offload server: 69
-and 84 ms) less the 34 ms load of their 64 MiB: 35 ms (L1) and 50 ms (disk) fixed per hit."""
+"""The built-in costs. engine_driven: three quiet runs (``KVOPS_BENCH_OFFLOAD_TUNING=0``) on a 2-core
+AVX-512 box without AMX (README "The floor under a hit") gave L1 0.032, 0.034 and 0.036, disk 0.045,
+0.039 and 0.046, misses +0.033, +0.028 and -0.049; the plan counts the largest hit ratios and the
+largest miss median of those and the two runs before them (+0.032, +0.042). Its figures are the
+third run's: loads at 41% (L1) and 36% (disk) of that box's 13.01 GB/s memcpy, a cold 2,048-token
+prefill at 1,158 tokens/s of the reference model, 52 ms (L1) and 68 ms (disk) of a hit's TTFT
+besides the load (the lookup, the queue, the step computing the last token), of which vLLM's own
+one-token prefix-cache hit took 31 ms (the step reading the reference model's 209,758,424 bytes of
+weights and its 2,048 tokens of KV, 276,867,288 bytes in all). The two runs of the session before,
+on a box whose prefill was slower (768 tokens/s), gave L1 0.019 and 0.021 at 55% / 62% of memcpy:
+the same transfer over a slower recompute. Before kvops' copy and the shared L1 it measured L1
+0.19-0.27 (issue 16: each L1 object pickled through ZMQ). lmcache_driven: LMCache's own connector
+measured less there (no measurable miss cost, research/offload_bench.md §4); these are ours, which
+the product runs, measured beside engine_driven in the same three runs: L1 0.051, 0.052 and 0.058,
+disk 0.062, 0.057 and 0.051, misses -0.006, -0.023 and -0.038 (issue 16's three: +0.039, -0.063,
+-0.009, a spread that is the difference between two servers: the connector's own share, its
+lookup, is ~0.3%; the plan counts the largest). Its figures are the third run's, beside
+engine_driven's: loads at 12.0% (L1) and 15.4% (disk) of memcpy, 55 / 48 ms besides the load."""
 
 FIGURE_KEYS = ("load_copy_fraction_of_memcpy", "hit_overhead_s", "memcpy_gb_per_s", "cold_prefill_tokens_per_s",
                "prefill_flops_per_token")
@@ -168,18 +179,40 @@ def _bench_figures(doc: dict[str, Any], path: Path, where: str) -> tuple[Transfe
             raise BadInputError(f"{where} {path}: {name} is {value!r}, not a number {'>=' if zero_ok else '>'} 0; "
                                 "pass the JSON `kvops bench offload --json` printed")
         values[field_name] = float(value)
-    return TransferFigures(**values), ""
+    return TransferFigures(**values, **_bench_floor(doc, path, where)), ""
+
+
+def _bench_floor(doc: dict[str, Any], path: Path, where: str) -> dict[str, float]:
+    """``floor_s`` and ``floor_bytes`` from a bench file that measured vLLM's own one-token hit
+    (``prefix_hit_ttft_s``, with ``weight_bytes``, ``prompt_tokens`` and ``kv_bytes_per_token``);
+    none from an older one; a key present with a bad value exits 2."""
+    keys = ("prefix_hit_ttft_s", "weight_bytes", "prompt_tokens", "kv_bytes_per_token")
+    if any(doc.get(key) is None for key in keys):
+        return {}
+    for key in keys:
+        value = doc[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise BadInputError(f"{where} {path}: {key} is {value!r}, not a number > 0; "
+                                "pass the JSON `kvops bench offload --json` printed")
+    return {"floor_s": float(doc["prefix_hit_ttft_s"]),
+            "floor_bytes": float(doc["weight_bytes"] + doc["prompt_tokens"] * doc["kv_bytes_per_token"])}
 
 
 def scaled_costs(costs: OffloadCosts, kv_bytes_per_token: int, flops_per_token: float,
-                 hit_tokens: float) -> OffloadCosts:
+                 hit_tokens: float, weight_bytes: float | None = None) -> OffloadCosts:
     """``costs`` with its hit ratios recomputed for a model of ``kv_bytes_per_token`` and
     ``flops_per_token`` whose hits load ``hit_tokens`` tokens, on the machine that measured the
     figures: load = bytes / (copy share × memcpy) + the fixed time, recompute = tokens / (its
     prefill rate × its FLOPs per token / this model's). Without figures: unchanged. The ratio is
     against a prefill without the connector, where a measured one is against the offload server's
     cold TTFT: the planner's × (1 + miss overhead) then counts the miss cost on it once more, a
-    conservative few percent."""
+    conservative few percent.
+
+    The fixed time holds the step that computes the last token, vLLM's own one-token hit
+    (``floor_s``), which reads the weights and the hit's KV once. With ``weight_bytes`` (one rank's)
+    and a measured floor, that share grows with the bytes this model's step reads over the bench
+    model's (never below the measured: its front-end share does not shrink); else it stays as
+    measured, which a model much larger than the bench's would understate."""
     fig = costs.figures
     if fig is None or flops_per_token <= 0 or hit_tokens <= 0:
         return costs
@@ -187,17 +220,32 @@ def scaled_costs(costs: OffloadCosts, kv_bytes_per_token: int, flops_per_token: 
     recompute_s = hit_tokens / rate
     moved = hit_tokens * kv_bytes_per_token
     bandwidth = fig.memcpy_gb_per_s * 1e9
+    step_s, step = _step_growth(fig, weight_bytes, moved)
 
     def load_s(fraction: float, overhead_s: float) -> float:
-        return moved / (fraction * bandwidth) + overhead_s
+        return moved / (fraction * bandwidth) + overhead_s + step_s
 
     l1, disk = load_s(fig.l1_copy_fraction, fig.l1_hit_overhead_s), load_s(fig.disk_copy_fraction, fig.disk_hit_overhead_s)
     derivation = (
         f"recomputed for this model on the measuring machine: a hit of {hit_tokens:,.0f} tokens loads "
         f"{moved / MIB:,.1f} MiB at {fig.l1_copy_fraction:.1%} (L1) / {fig.disk_copy_fraction:.1%} (disk) of "
         f"{fig.memcpy_gb_per_s:.1f} GB/s memcpy, plus {fig.l1_hit_overhead_s * 1e3:.0f} / "
-        f"{fig.disk_hit_overhead_s * 1e3:.0f} ms fixed per hit: {l1 * 1e3:,.1f} / {disk * 1e3:,.1f} ms; recomputing "
-        f"it takes {recompute_s * 1e3:,.1f} ms at {rate:,.1f} tokens/s ({fig.prefill_tokens_per_s:,.0f} tokens/s "
-        f"measured at {fig.prefill_flops_per_token:.3g} FLOPs per token, this model {flops_per_token:.3g})")
+        f"{fig.disk_hit_overhead_s * 1e3:.0f} ms fixed per hit{step}: {l1 * 1e3:,.1f} / {disk * 1e3:,.1f} ms; "
+        f"recomputing it takes {recompute_s * 1e3:,.1f} ms at {rate:,.1f} tokens/s ({fig.prefill_tokens_per_s:,.0f} "
+        f"tokens/s measured at {fig.prefill_flops_per_token:.3g} FLOPs per token, this model {flops_per_token:.3g})")
     return costs.model_copy(update={"l1_ttft_ratio": l1 / recompute_s, "disk_ttft_ratio": disk / recompute_s,
                                     "derivation": derivation})
+
+
+def _step_growth(fig: TransferFigures, weight_bytes: float | None, hit_kv_bytes: float) -> tuple[float, str]:
+    """(seconds the last token's step adds over the bench model's, the derivation's words)."""
+    if fig.floor_s is None or fig.floor_bytes is None:
+        return 0.0, " (the step computing the last token as measured: the figures have no one-token hit)"
+    if not weight_bytes:
+        return 0.0, " (the step computing the last token as measured: this model's weights are not known)"
+    reads = weight_bytes + hit_kv_bytes
+    scale = max(1.0, reads / fig.floor_bytes)
+    added = fig.floor_s * (scale - 1.0)
+    return added, (f", of which vLLM's own one-token hit {fig.floor_s * 1e3:.0f} ms for the "
+                   f"{fig.floor_bytes / GIB:.2f} GiB its step read; this model's step reads {reads / GIB:.2f} GiB "
+                   f"(weights and the hit's KV): {fig.floor_s * scale * 1e3:,.0f} ms, so in all")

@@ -184,6 +184,8 @@ def run() -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvops-bench-offload-") as tmp:
         root = Path(tmp)
         model = build_tiny_model(root / "model", REFERENCE_SHAPE)
+        # what the step computing a hit's last token reads besides the KV (the floor's bytes)
+        weight_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         prompts = [_prompt(seed) for seed in range(2 * REPEATS + 1)]  # [0] warms up
         baseline = vllm_server(model, SERVER_ARGS, log_path=root / "vllm-baseline.log",
                                kv_cache_bytes=KV_CACHE_BYTES, name="vllm-baseline")
@@ -217,6 +219,7 @@ def run() -> dict[str, Any]:
         "memcpy_gb_per_s": memcpy,
         "cold_prefill_tokens_per_s": PROMPT_TOKENS / results[default.transfer_mode]["ttft_s"]["no_connector"],
         "prefill_flops_per_token": prefill_flops_per_token(config_dict(REFERENCE_SHAPE)),
+        "weight_bytes": weight_bytes,
         "shm_huge_pages": shm_huge_pages(),
         **digests,
         "worker_copy": worker_copy,

@@ -155,20 +155,23 @@ def run_plan(req: PlanRequest) -> Plan:
         work = _workload(req)
     judge = req.offload_mode is not None or req.offload_costs is not None
     costs = resolve_costs(req.offload_mode, req.offload_costs, req.device) if judge else None
-    plan = make_plan(model, _inputs(req, raw), work, fp8)
+    inputs = _inputs(req, raw)
+    plan = make_plan(model, inputs, work, fp8)
     kv_bytes = model.kv_bytes_per_token * req.tensor_parallel_size  # cache sizes for all ranks
     profile = trace_profile(trace) if trace is not None and judge else None
     if trace is not None:
         plan = with_trace(plan, trace, over, kv_bytes, req.target_hit_fraction, req.host_memory_gib, profile)
     if costs is not None:
-        plan = _decide_offload(req, plan, costs, kv_bytes, prefill_flops_per_token(raw), trace, profile)
+        plan = _decide_offload(req, plan, costs, kv_bytes, prefill_flops_per_token(raw), trace, profile,
+                               inputs.weights_rank_bytes)
     if scales is not None and req.kv_scales is not None:
         plan = with_scales(plan, raw, scales, req.kv_scales, given_skips)
     return plan
 
 
 def _decide_offload(req: PlanRequest, plan: Plan, costs: tuple[OffloadCosts, str], kv_bytes: int,
-                    flops_per_token: float, trace: Trace | None, profile: ReuseProfile | None) -> Plan:
+                    flops_per_token: float, trace: Trace | None, profile: ReuseProfile | None,
+                    weight_bytes: int | None) -> Plan:
     """``--offload-mode``/``--offload-costs``: whether the sized tiers pay (kvops.ops.capacity.tiers)."""
     if trace is not None and profile is not None:
         curves = trace_curves(profile, trace.block_tokens, trace.path.name)
@@ -178,7 +181,8 @@ def _decide_offload(req: PlanRequest, plan: Plan, costs: tuple[OffloadCosts, str
     explicit = req.offload_mode not in (None, "auto") or req.offload_costs is not None
     mean = plan.workload.mean
     hit_tokens = min(req.prefix_tokens, mean) if trace is None and req.prefix_tokens else mean
-    scaled = machine_costs(costs[0], req.offload_costs is not None, req.device, kv_bytes, flops_per_token, hit_tokens)
+    scaled = machine_costs(costs[0], req.offload_costs is not None, req.device, kv_bytes, flops_per_token, hit_tokens,
+                           weight_bytes)
     return with_offload_decision(plan, curves, scaled, costs[1], kv_bytes, explicit, req.kvops_yaml_path)
 
 

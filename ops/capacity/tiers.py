@@ -89,7 +89,7 @@ def resolve_costs(mode: str | None, costs_file: Path | None, device: str) -> tup
 
 
 def machine_costs(costs: OffloadCosts, from_file: bool, device: str, kv_bytes_per_token: int,
-                  flops_per_token: float, hit_tokens: float) -> OffloadCosts:
+                  flops_per_token: float, hit_tokens: float, weight_bytes: float | None = None) -> OffloadCosts:
     """The hit ratios for this model: on --device cpu recomputed from the figures that carry over
     (kvops.core.offload.costs.scaled_costs) where the costs have them, else the measured ratios,
     saying why."""
@@ -100,7 +100,7 @@ def machine_costs(costs: OffloadCosts, from_file: bool, device: str, kv_bytes_pe
     if costs.figures is None:
         return costs if costs.derivation else costs.model_copy(update={"derivation": (
             f"the measured ratios: no load figures are measured for {costs.transfer_mode}")})
-    scaled = scaled_costs(costs, kv_bytes_per_token, flops_per_token, hit_tokens)
+    scaled = scaled_costs(costs, kv_bytes_per_token, flops_per_token, hit_tokens, weight_bytes)
     if from_file:
         return scaled
     return scaled.model_copy(update={"derivation": (

@@ -25,8 +25,8 @@ TRACE = SHARED / "fixtures/traces/mooncake_conversation_trace.jsonl"
 CONFIGS = SHARED / "fixtures/model-configs"
 KV_BYTES = 131_072
 GIB = 1 << 30
-ENGINE = (0.021, 0.027, 0.042)  # L1 hit, disk hit (of cold TTFT with the connector), miss overhead
-LMCACHE = (0.046, 0.056, 0.039)  # core/offload/costs.py: two quiet bench runs each, README
+ENGINE = (0.036, 0.046, 0.042)  # L1 hit, disk hit (of cold TTFT with the connector), miss overhead
+LMCACHE = (0.058, 0.062, 0.039)  # core/offload/costs.py: two quiet bench runs each, README
 
 
 def invoke(*args: str) -> Result:
@@ -291,11 +291,14 @@ def test_a_gpu_plan_keeps_the_measured_ratios_and_says_why(tmp_path):
 
 
 def test_the_built_in_cpu_costs_scale_too_and_name_the_reference_machine():
-    """core/offload/costs.py's reference CPU for auto (engine_driven): 55% of 11.24 GB/s, 48 ms
-    fixed per L1 hit, 768.3 tokens/s of the 205,520,896-FLOP reference model."""
+    """core/offload/costs.py's reference CPU for auto (engine_driven): 40.8% of 13.01 GB/s, 51.9 ms
+    fixed per L1 hit, of which vLLM's own one-token hit 30.9 ms for the 276,867,288 bytes its step
+    read (grown by what Llama's step reads), 1,157.6 tokens/s of the 205,520,896-FLOP reference
+    model."""
     c = prefixes("auto", 10_000, 1000, 5000, *CPU)["offload_decision"]["costs"]
-    load_s = 1000 * KV_BYTES / (0.550 * 11.24e9) + 0.048
-    assert c["l1_ttft_ratio"] == pytest.approx(load_s / (1000 / (768.3 * 205_520_896 / LLAMA_FLOPS)), rel=1e-5)
+    step_s = 0.0309 * ((LLAMA_WEIGHT_BYTES + 1000 * KV_BYTES) / 276_867_288 - 1)
+    load_s = 1000 * KV_BYTES / (0.408 * 13.01e9) + 0.0519 + step_s
+    assert c["l1_ttft_ratio"] == pytest.approx(load_s / (1000 / (1157.6 * 205_520_896 / LLAMA_FLOPS)), rel=1e-5)
     assert "kvops' reference CPU's" in c["derivation"]
 
 
@@ -309,3 +312,40 @@ def test_bad_figures_exit_2_naming_the_key(tmp_path, fields, message):
     res = invoke("--max-model-len", "8192", *CPU, "--offload-costs", str(costs))
     assert res.exit_code == 2
     assert message in res.stderr
+
+
+# Llama 3.1 8B's bf16 weights, counted from its config by hand: per layer q and o 4096 x 4096,
+# k and v 4096 x 1024, gate/up/down 4096 x 14336, two norms of 4096; 32 layers; embedding and an
+# untied LM head of 128,256 x 4096; the final norm; and the rotary cos/sin cache vLLM holds
+# beside them (vllm rotary_embedding/base.py: 131,072 positions x head_dim 128, in bf16).
+LLAMA_WEIGHT_BYTES = 2 * (32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096)
+                          + 2 * 128_256 * 4096 + 4096 + 131_072 * 128)
+
+
+def test_the_step_computing_a_hits_last_token_grows_with_the_weights_it_reads(tmp_path):
+    """A bench file that measured vLLM's own one-token hit (30 ms for a 2e8-byte model and its
+    2,048-token prompt's KV at 32 KiB a token) scales that share of the fixed time by what Llama's
+    step reads: its weights (16.06 GB) and the hit's 1,000 tokens of KV (131,072,000 B), ~60.6x:
+    ~1.8 s more per hit than the bench model's, on top of FIGURES' load and fixed time."""
+    floor_bytes = 2.0e8 + 2048 * 32768
+    costs = bench_json(tmp_path / "bench.json", transfer_mode="lmcache_driven", **FIGURES,
+                       prefix_hit_ttft_s=0.03, weight_bytes=2.0e8, kv_bytes_per_token=32768)
+    c = prefixes("auto", 10_000, 1000, 5000, *CPU, "--offload-costs", str(costs))["offload_decision"]["costs"]
+    added = 0.03 * ((LLAMA_WEIGHT_BYTES + 1000 * KV_BYTES) / floor_bytes - 1)
+    recompute = 1000 / (1000.0 * 2.0e8 / LLAMA_FLOPS)
+    assert c["l1_ttft_ratio"] == pytest.approx(hand_ratio(0.10, 0.02, 1000) + added / recompute, rel=1e-4)
+    assert c["disk_ttft_ratio"] == pytest.approx(hand_ratio(0.05, 0.04, 1000) + added / recompute, rel=1e-4)
+    assert "of which vLLM's own one-token hit 30 ms" in c["derivation"]
+    older = bench_json(tmp_path / "older.json", transfer_mode="lmcache_driven", **FIGURES)
+    c = prefixes("auto", 10_000, 1000, 5000, *CPU, "--offload-costs", str(older))["offload_decision"]["costs"]
+    assert c["l1_ttft_ratio"] == pytest.approx(hand_ratio(0.10, 0.02, 1000), rel=1e-5)
+    assert "the figures have no one-token hit" in c["derivation"]
+
+
+def test_a_bench_files_bad_floor_exits_2_naming_the_key(tmp_path):
+    costs = bench_json(tmp_path / "bench.json", transfer_mode="lmcache_driven", **FIGURES,
+                       prefix_hit_ttft_s=0.03, weight_bytes="lots", kv_bytes_per_token=32768)
+    res = invoke("--max-model-len", "8192", "--p50", "5000", "--distinct-prefixes", "10000", "--prefix-tokens",
+                 "1000", "--offload-mode", "auto", *CPU, "--offload-costs", str(costs))
+    assert res.exit_code == 2
+    assert f"--offload-costs {costs}: weight_bytes is 'lots', not a number > 0" in res.output
