@@ -310,6 +310,7 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
         for side, url in sides:
             miss_split.add(side, before[side], scrape(url))
         metrics = metrics_samples(server.url)
+        worker_copy = worker_copy_of(metrics)
     finally:
         server.stop()
         remove_stale_segments()  # lmcache_driven leaves vLLM's KV segment in /dev/shm
@@ -320,7 +321,7 @@ def _measure(bench: _Bench, settings: OffloadSettings, root: Path, miss_seed: in
                            load_gb_per_s=first.load_gb_per_s, server_faults=first.faults,
                            loads=first.loads)
     measured = Measured(
-        transfer_mode=mode, l1_transfer=l1_transfer, runs=steady.runs, baseline=bench.baseline_runs[first_count:],
+        transfer_mode=mode, l1_transfer=l1_transfer, worker_copy=worker_copy, runs=steady.runs, baseline=bench.baseline_runs[first_count:],
         split_baseline=bench.split_texts[first_count:],
         misses=misses, hits=steady.hits, load_gb_per_s=steady.load_gb_per_s,
         store_gb_per_s=_rate(metrics, "kvops_offload_stored_bytes_total",
@@ -365,6 +366,13 @@ def _transfer_mode_of(metrics: Samples) -> str:
     if not mode:
         raise KvopsError("the offload server's /metrics has no kvops_info offload_transfer_mode label")
     return mode
+
+
+def worker_copy_of(metrics: Samples) -> str:
+    """Which copy the engine_driven worker ran ("kvops" or "lmcache": the connector's
+    kvops_offload_worker_copy{copy}), "" where none did (lmcache_driven: the server copies)."""
+    return next((labels.get("copy", "") for labels, value in metrics.get("kvops_offload_worker_copy", [])
+                 if value == 1), "")
 
 
 def _mode_line(log: Path) -> str:

@@ -87,6 +87,9 @@ class Measured:
     (kvops_info's offload_l1_transfer label)."""
     loads: Loads = field(default_factory=dict)
     """tier -> per hit: (bytes, seconds) the connector counted for its load."""
+    worker_copy: str = ""
+    """engine_driven: the worker's copy, "kvops" or "lmcache" (kvops_offload_worker_copy); ""
+    otherwise."""
     split_baseline: list[str] = field(default_factory=list)
     """A plugin-free server's text on each prompt of ``baseline`` when its prefill is split where
     a full hit splits it (all but the last token, then that token: ``offload.SPLIT_ARGS``); what an
@@ -224,6 +227,7 @@ def variant_result(m: Measured, memcpy_gb_per_s: float) -> dict[str, Any]:
         "repeats": repeats,
         "transfer_mode": m.transfer_mode,
         "l1_transfer": m.l1_transfer,
+        "worker_copy_used": m.worker_copy,  # not "worker_copy": the top level's copy timings
         "ttft_s": {**ratios["ttft_s"], "no_connector": statistics.median(m.misses["baseline"])},
         "hit_tokens_per_request": {tier: hits / repeats for tier, hits in m.hits.items()},
         "load_gb_per_s": m.load_gb_per_s,
@@ -241,7 +245,7 @@ def mode_entry(result: dict[str, Any]) -> dict[str, Any]:
     keys = (*RATIO_KEYS, "miss_overhead_spread", "miss_overhead_blocks", "l1_ttft_ratio_per_prompt",
             "disk_ttft_ratio_per_prompt", "store_fraction_of_memcpy", *OUTPUT_KEYS,
             "differing_outputs", "ttft_s", "hit_tokens_per_request", "miss_time_split_s",
-            "hit_time_split_s", "server_page_faults_per_load", *FIGURE_KEYS, "first_pass")
+            "hit_time_split_s", "server_page_faults_per_load", *FIGURE_KEYS, "worker_copy_used", "first_pass")
     return {key: result[key] for key in keys}
 
 

@@ -137,6 +137,7 @@ class KVOpsOffloadConnector(LMCacheMPConnector):
             why = "vLLM's KV is not CPU tensors of the fused K|V layout"
         else:
             why = worker_copy.install()
+        self._kvops_stats.set_worker_copy(why is None)  # kvops_offload_worker_copy{copy}
         if why is None:
             logger.info("kvops offload: engine_driven loads and stores copy with kvops' per-block "
                         "copy (%d layers, CPU fused K|V layout)", len(kv_caches))

@@ -20,7 +20,14 @@ from kvops.core.units import GIB
 from kvops.plugin.loops import ResilientLoop, count_internal_error
 from kvops.plugin.metrics import gauge
 from kvops.plugin.offload.diskwatch import DiskWatch
-from kvops.plugin.offload.stats import COUNTERS, DEGRADED, DIGEST_DEGRADED, ERRORS, INTERNAL
+from kvops.plugin.offload.stats import (
+    COUNTERS,
+    DEGRADED,
+    DIGEST_DEGRADED,
+    ERRORS,
+    INTERNAL,
+    WORKER_COPY,
+)
 
 SERVER_POLL_S = 5.0
 SERVER_POLL_TIMEOUT_S = 1.0
@@ -89,6 +96,11 @@ class OffloadPromMetrics(LMCacheMPPromMetrics):
             documentation="1 while the block digest file beside the disk tier refuses writes "
                           "(digests kept in memory only; serving continues)",
         ))
+        self._worker_copy = self._gauge_cls(
+            name="kvops_offload_worker_copy", labelnames=[*names, "copy"], multiprocess_mode="mostrecent",
+            documentation="Which copy the engine_driven worker runs between LMCache's L1 and vLLM's KV "
+                          "(1 on kvops' or lmcache's; no sample in lmcache_driven, where the server copies)",
+        )
         for engine_idx in per_engine_labelvalues:
             self._degraded[engine_idx].set(0)
             self._digest_degraded[engine_idx].set(0)
@@ -124,6 +136,10 @@ class OffloadPromMetrics(LMCacheMPPromMetrics):
             self._degraded[engine_idx].set(data[DEGRADED])
         if DIGEST_DEGRADED in data:
             self._digest_degraded[engine_idx].set(data[DIGEST_DEGRADED])
+        if WORKER_COPY in data:
+            values = self.per_engine_labelvalues[engine_idx]
+            for copy, on in (("kvops", data[WORKER_COPY]), ("lmcache", 1 - data[WORKER_COPY])):
+                self._worker_copy.labels(*values, copy).set(on)
         for component, count in data.get(INTERNAL, {}).items():
             count_internal_error(component, count)
         for key, counter in self._counters.items():

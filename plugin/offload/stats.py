@@ -24,7 +24,10 @@ ERRORS = "kvops_errors"
 INTERNAL = "kvops_internal_errors"
 DEGRADED = "kvops_degraded"
 DIGEST_DEGRADED = "kvops_digest_degraded"
-FLAGS = (DEGRADED, DIGEST_DEGRADED)
+WORKER_COPY = "kvops_worker_copy"
+"""1: the engine_driven worker copies with kvops' per-block copy, 0: with LMCache's; reported once,
+by the worker that chose (absent in lmcache_driven, where the LMCache server copies)."""
+FLAGS = (DEGRADED, DIGEST_DEGRADED, WORKER_COPY)
 """0/1 states: merged by max (either half degraded -> degraded), kept even when 0."""
 BY_KIND = (ERRORS, INTERNAL)
 
@@ -51,6 +54,9 @@ class OffloadStats(LMCacheMPConnectorStats):
 
     def set_digest_degraded(self, degraded: bool) -> None:
         self.set_degraded(degraded, DIGEST_DEGRADED)
+
+    def set_worker_copy(self, kvops: bool) -> None:
+        self.set_degraded(kvops, WORKER_COPY)
 
     def clone_and_reset(self) -> OffloadStats:
         snapshot = OffloadStats(data=self.data)

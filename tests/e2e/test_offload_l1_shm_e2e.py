@@ -109,6 +109,8 @@ def test_engine_driven_hit_is_copied_from_the_shared_l1_with_identical_output(
     info = metric(shm_vllm.url, "kvops_info", offload_transfer_mode="engine_driven",
                   offload_l1_transfer="shm")
     assert info == 1
+    assert metric(shm_vllm.url, "kvops_offload_worker_copy", copy="kvops") == 1
+    assert metric(shm_vllm.url, "kvops_offload_worker_copy", copy="lmcache") == 0
 
     assert_l1_hit_is_stock(shm_vllm, shm_lmcache, tiny_model, stock_output)
 
@@ -150,6 +152,8 @@ def test_zero_copy_set_explicitly_serves_an_l1_hit_with_identical_output(
     assert metric(server.url, "kvops_info", offload_transfer_mode="lmcache_driven") == 1
 
     assert_l1_hit_is_stock(server, zero_copy_lmcache, tiny_model, stock_output)
+    # the LMCache server copies here: no worker copy to name
+    assert "kvops_offload_worker_copy{" not in requests.get(server.url + "/metrics", timeout=10).text
 
     # SIGTERM to the front end alone (as Kubernetes sends it): the workers' segments go with them
     server.process.send_signal(signal.SIGTERM)

@@ -407,3 +407,23 @@ def test_without_vllms_own_hit_measured_the_floor_is_unknown_not_zero():
     assert report["prefix_hit_ttft_ratio"] is None
     assert report["hit_over_prefix_hit_s"] == {"l1": None, "disk": None}
     assert report["goals"]["l1_goal_reachable"] is None
+
+
+def test_the_worker_copy_is_read_from_the_connectors_gauge_and_reported_per_mode():
+    from dataclasses import replace
+
+    from kvops.core.prom import samples_by_name
+    from kvops.ops.bench.offload import worker_copy_of
+
+    page = ('# TYPE kvops_offload_worker_copy gauge\n'
+            'kvops_offload_worker_copy{engine="0",model_name="m",copy="kvops"} 1.0\n'
+            'kvops_offload_worker_copy{engine="0",model_name="m",copy="lmcache"} 0.0\n')
+    assert worker_copy_of(samples_by_name(page)) == "kvops"
+    assert worker_copy_of(samples_by_name("# TYPE kvops_offload_worker_copy gauge\n")) == ""
+    report = _report(replace(_measured("engine_driven", 0.05, 0.0), worker_copy="kvops"),
+                     _measured("lmcache_driven", 0.25, 0.2), [])
+    assert report["worker_copy_used"] == "kvops"
+    assert report["modes"]["lmcache_driven"]["worker_copy_used"] == ""
+    default = variant_result(replace(_measured("engine_driven", 0.05, 0.0), worker_copy="kvops"), 10.0)
+    timings = {"best": "kvops_worker"}  # the top level's worker_copy: the copy timed in-process
+    assert assemble(default, {"engine_driven": default}, [], {"worker_copy": timings})["worker_copy"] == timings

@@ -101,3 +101,16 @@ def test_offload_capacity_is_the_larger_tier_not_their_sum(l1_gib, disk_gib, exp
         assert value == expected_gib * (1 << 30)
     finally:
         metrics.reset_for_tests()
+
+
+def test_the_worker_copy_is_reported_once_by_the_worker_that_chose_it():
+    worker = OffloadStats()
+    worker.set_worker_copy(True)
+    merged = OffloadStats().aggregate(worker.clone_and_reset())
+    assert merged.reduce()["kvops_worker_copy"] == 1
+    assert worker.is_empty()  # sent with the first report, not every step
+    lmcache_copy = OffloadStats()
+    lmcache_copy.set_worker_copy(False)
+    assert not lmcache_copy.is_empty()
+    assert lmcache_copy.reduce()["kvops_worker_copy"] == 0
+    assert "kvops_worker_copy" not in OffloadStats().reduce()  # lmcache_driven: never set
