@@ -173,12 +173,7 @@ def _bench_figures(doc: dict[str, Any], path: Path, where: str) -> tuple[Transfe
             name = f"{key}.{tier}"
         if value is None:
             return None, name
-        zero_ok = key == "hit_overhead_s"
-        if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
-                or not (value >= 0 if zero_ok else value > 0)):
-            raise BadInputError(f"{where} {path}: {name} is {value!r}, not a number {'>=' if zero_ok else '>'} 0; "
-                                "pass the JSON `kvops bench offload --json` printed")
-        values[field_name] = float(value)
+        values[field_name] = _number(value, name, path, where, zero_ok=key == "hit_overhead_s")
     return TransferFigures(**values, **_bench_floor(doc, path, where)), ""
 
 
@@ -189,13 +184,17 @@ def _bench_floor(doc: dict[str, Any], path: Path, where: str) -> dict[str, float
     keys = ("prefix_hit_ttft_s", "weight_bytes", "prompt_tokens", "kv_bytes_per_token")
     if any(doc.get(key) is None for key in keys):
         return {}
-    for key in keys:
-        value = doc[key]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-            raise BadInputError(f"{where} {path}: {key} is {value!r}, not a number > 0; "
-                                "pass the JSON `kvops bench offload --json` printed")
-    return {"floor_s": float(doc["prefix_hit_ttft_s"]),
-            "floor_bytes": float(doc["weight_bytes"] + doc["prompt_tokens"] * doc["kv_bytes_per_token"])}
+    floor_s, weights, tokens, per_token = (_number(doc[key], key, path, where) for key in keys)
+    return {"floor_s": floor_s, "floor_bytes": weights + tokens * per_token}
+
+
+def _number(value: Any, name: str, path: Path, where: str, zero_ok: bool = False) -> float:
+    """A bench file's figure: a finite number > 0 (>= 0 with ``zero_ok``), else exit 2 naming it."""
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            or not (value >= 0 if zero_ok else value > 0)):
+        raise BadInputError(f"{where} {path}: {name} is {value!r}, not a number {'>=' if zero_ok else '>'} 0; "
+                            "pass the JSON `kvops bench offload --json` printed")
+    return float(value)
 
 
 def scaled_costs(costs: OffloadCosts, kv_bytes_per_token: int, flops_per_token: float,

@@ -49,17 +49,20 @@ def memcpy_ms_per_mib(memcpy_gb_per_s: float) -> float:
     return MIB / (memcpy_gb_per_s * 1e9) * 1e3
 
 
-def _per_tier(loads: Loads, tier: str, memcpy: float, ttft_s: float | None,
-              faults: float | None) -> dict[str, float | None]:
+def _per_tier(loads: Loads, tier: str, memcpy: float, ttft_s: float | None, faults: float | None,
+              prefix_hit_s: float | None) -> dict[str, float | None]:
+    over = None if ttft_s is None or prefix_hit_s is None else ttft_s - prefix_hit_s
     hits = [(moved, seconds) for moved, seconds in loads.get(tier, []) if moved > 0 and seconds > 0]
     if not hits:
-        return dict.fromkeys(("ms_per_mib", "fraction", "mib", "load_s", "overhead_s", "faults_per_mib"))
+        return {**dict.fromkeys(("ms_per_mib", "fraction", "mib", "load_s", "overhead_s", "faults_per_mib",
+                                 "besides_load")), "over": over}
     ms_per_mib = sum(s for _, s in hits) * 1e3 / (sum(b for b, _ in hits) / MIB)
     mib = statistics.median(b for b, _ in hits) / MIB
     load_s = statistics.median(s for _, s in hits)
     return {"ms_per_mib": ms_per_mib, "fraction": memcpy_ms_per_mib(memcpy) / ms_per_mib, "mib": mib,
             "load_s": load_s, "overhead_s": None if ttft_s is None else max(0.0, ttft_s - load_s),
-            "faults_per_mib": None if faults is None else faults / mib}
+            "faults_per_mib": None if faults is None else faults / mib,
+            "over": over, "besides_load": None if over is None else over - load_s}
 
 
 def load_figures(loads: Loads, ttft_s: dict[str, float], faults_per_load: dict[str, float | None],
@@ -69,23 +72,18 @@ def load_figures(loads: Loads, ttft_s: dict[str, float], faults_per_load: dict[s
     where no hit loaded anything (a tier the connector did not count). With ``prefix_hit_s``
     (vLLM's own prefix-cache hit computing one token, no connector): the hit's TTFT above it, and
     that less the load (None without it)."""
-    tiers = {tier: _per_tier(loads, tier, memcpy_gb_per_s, ttft_s.get(tier), faults_per_load.get(tier))
+    tiers = {tier: _per_tier(loads, tier, memcpy_gb_per_s, ttft_s.get(tier), faults_per_load.get(tier),
+                             prefix_hit_s)
              for tier in ("l1", "disk")}
 
     def each(key: str) -> dict[str, float | None]:
         return {tier: figures[key] for tier, figures in tiers.items()}
 
-    over: dict[str, float | None] = {tier: None if prefix_hit_s is None else ttft_s[tier] - prefix_hit_s
-                                     for tier in tiers}
-    besides_load: dict[str, float | None] = {}
-    for tier, above in over.items():
-        load_s = tiers[tier]["load_s"]
-        besides_load[tier] = None if above is None or load_s is None else above - load_s
     return {"load_ms_per_mib": each("ms_per_mib"), "memcpy_ms_per_mib": memcpy_ms_per_mib(memcpy_gb_per_s),
             "load_copy_fraction_of_memcpy": each("fraction"), "load_mib_per_hit": each("mib"),
             "load_s_per_hit": each("load_s"), "hit_overhead_s": each("overhead_s"),
             "server_page_faults_per_mib": each("faults_per_mib"),
-            "hit_over_prefix_hit_s": over, "offload_overhead_s": besides_load}
+            "hit_over_prefix_hit_s": each("over"), "offload_overhead_s": each("besides_load")}
 
 
 def goals(result: dict[str, Any]) -> dict[str, Any]:
